@@ -48,6 +48,9 @@ def build(seed: int = 0) -> tuple[list, dict[str, object]]:
 
     def add(e) -> None:
         e.ts = round(t, 6)
+        if isinstance(e, SnapshotEvent):  # nested events too, so the file is byte-for-byte reproducible
+            for x in [e.engine, *e.pools, *e.graphs]:
+                x.ts = e.ts
         evs.append(e)
 
     add(SnapshotEvent(engine=EngineEvent(model="smollm2-135m", draft="mtp-s2", spec_steps=S, uptime_s=0.0),
