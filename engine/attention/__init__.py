@@ -1,0 +1,1 @@
+"""Attention backends: the interface GPU backends implement, and the torch reference backend."""

@@ -1,0 +1,59 @@
+"""The reference attention backend: paged KV gathered by the slot map, then torch SDPA.
+
+EXTEND batches (ragged prompt chunks) attend request by request, so a request's prefill is computed
+the same way alone or in a batch. Uniform batches (DECODE, TARGET_VERIFY, DRAFT_EXTEND: W rows per
+request) run one batched SDPA over [bs, W] queries and keys padded to the longest sequence, with a
+boolean mask that admits key j for the query at position p iff j <= p. The metadata (gather indices
+and mask) is built once per forward and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from mleagle.engine.attention.base import AttentionBackend
+from mleagle.engine.forward_batch import ForwardBatch
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    def _build(self, batch: ForwardBatch) -> None:
+        r2t = self.req_to_token.req_to_token
+        seq = batch.seq_lens_cpu
+        if batch.mode.uniform:
+            bs, w, lk = batch.bs, batch.width, max(seq)
+            self.kv_idx = r2t[batch.req_pool_indices, :lk]  # [bs, Lk]
+            keys = torch.arange(lk, device=r2t.device)
+            qpos = batch.positions.view(bs, w)
+            self.mask = (keys.view(1, 1, lk) <= qpos.view(bs, w, 1)).unsqueeze(1)  # [bs, 1, W, Lk]
+        else:
+            rpi = batch.req_pool_indices.tolist()
+            self.spans = []
+            start = 0
+            for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+                kv_idx = r2t[rpi[i], : p + e]
+                keys = torch.arange(p + e, device=r2t.device)
+                qpos = torch.arange(p, p + e, device=r2t.device)
+                mask = None if p == 0 else keys.view(1, -1) <= qpos.view(-1, 1)
+                self.spans.append((start, e, kv_idx, mask))
+                start += e
+
+    def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        kb, vb = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        hq, d = q.shape[1], q.shape[2]
+        if batch.mode.uniform:
+            bs, w = batch.bs, batch.width
+            k = kb[self.kv_idx].transpose(1, 2)  # [bs, Hk, Lk, D]
+            v = vb[self.kv_idx].transpose(1, 2)
+            qq = q.view(bs, w, hq, d).transpose(1, 2)  # [bs, Hq, W, D]
+            o = F.scaled_dot_product_attention(qq, k, v, attn_mask=self.mask, enable_gqa=True)
+            return o.transpose(1, 2).reshape(bs * w, hq * d)
+        out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
+        for start, e, kv_idx, mask in self.spans:
+            k = kb[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
+            v = vb[kv_idx].transpose(0, 1).unsqueeze(0)
+            qq = q[start : start + e].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            out[start : start + e] = o[0].transpose(0, 1).reshape(e, hq * d)
+        return out

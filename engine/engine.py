@@ -1,0 +1,243 @@
+"""The engine: model, pools, runners, worker and scheduler put together, and the offline Python API.
+
+`Engine(config)` loads the model and tokenizer, sizes the KV pools (one per runner, all of the same
+slot count), builds the target runner (and, with a draft, the speculative worker) and the scheduler.
+`add_request` / `abort` / `step` are the loop the engine process drives; `generate` and `stream` are
+the offline API on top of them. Bad input raises `EngineInputError` before anything is allocated,
+so it never harms other requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from mleagle.engine.attention.torch_native import TorchNativeBackend
+from mleagle.engine.config import EngineConfig, MleagleConfig, load_config
+from mleagle.engine.detokenizer import StopChecker
+from mleagle.engine.memory.allocator import SlotAllocator
+from mleagle.engine.memory.kv_pool import KVPool
+from mleagle.engine.memory.manager import MemoryManager
+from mleagle.engine.memory.req_to_token import ReqToTokenPool
+from mleagle.engine.model_loader import load_model
+from mleagle.engine.models.llama import LlamaForCausalLM
+from mleagle.engine.outputs import RequestOutput, SpecStats, TokenLogprob
+from mleagle.engine.request import Req
+from mleagle.engine.runner import ModelRunner
+from mleagle.engine.sampling.rng import _mix
+from mleagle.engine.sampling_params import SamplingParams
+from mleagle.engine.scheduler import Scheduler
+from mleagle.engine.tokenizer import Tokenizer
+from mleagle.engine.worker import TargetWorker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses; the message is meant for the user."""
+
+
+@dataclass
+class Completion:
+    """A finished request, as the offline API returns it."""
+
+    rid: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    matched_stop: int | str | None
+    logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None
+    spec: SpecStats | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: int, arch: Any,
+                 ecfg: EngineConfig, max_reqs: int, max_context: int, dtype: torch.dtype) -> ModelRunner:
+    """A runner with its own KV pool, request-to-token map and attention backend."""
+    pool = KVPool(name, num_layers, num_slots, arch.num_key_value_heads, arch.head_dim, dtype, ecfg.device,
+                  ecfg.page_size)
+    r2t = ReqToTokenPool(name, max_reqs, max_context, ecfg.device)
+    return ModelRunner(name, model, pool, r2t, TorchNativeBackend(pool, r2t))
+
+
+class Engine:
+    def __init__(self, config: MleagleConfig | str | None = None, **engine_overrides: Any):
+        cfg = config if isinstance(config, MleagleConfig) else load_config(config)
+        if engine_overrides:
+            cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update=engine_overrides)})
+            cfg.engine = EngineConfig.model_validate(cfg.engine.model_dump())
+        self.cfg = cfg
+        e = cfg.engine
+        if e.device == "cuda" and not torch.cuda.is_available():
+            raise EngineInputError("device 'cuda' requested but CUDA is not available")
+        if e.threads:
+            torch.set_num_threads(e.threads)
+        self.dtype = DTYPES[e.dtype]
+        self.device = torch.device(e.device)
+        t0 = time.perf_counter()
+        loaded = load_model(cfg.model, self.dtype)
+        self.arch = loaded.arch
+        self.tokenizer: Tokenizer | None = Tokenizer.from_source(cfg.model)
+        self.max_context_len = min(e.max_context_len or self.arch.max_position_embeddings,
+                                   self.arch.max_position_embeddings)
+        model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + 64)
+        model.load_weights(loaded.weights)
+        del loaded
+        self.model = model.to(self.device).eval()
+        self.load_time_s = time.perf_counter() - t0
+
+        slot_bytes = KVPool.slot_bytes(self.arch.num_hidden_layers, self.arch.num_key_value_heads,
+                                       self.arch.head_dim or 0, self.dtype)
+        num_slots = e.max_total_tokens or int(e.kv_memory_mb * 2**20 // slot_bytes)
+        num_slots = max(num_slots // e.page_size, 2) * e.page_size
+        self.max_reqs = e.max_running_requests
+        self.target = build_runner("target", self.model, self.arch.num_hidden_layers, num_slots, self.arch, e,
+                                   self.max_reqs, self.max_context_len + 8, self.dtype)
+        self.allocator = SlotAllocator(num_slots, e.page_size)
+        self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token])
+        self.worker = self._build_worker()
+        self.eos_ids = set(self.arch.eos_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
+        self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
+                                   max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
+                                   max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
+                                   stop_cut=self._stop_cut)
+        self._seeds = itertools.count()
+        self.model_name = cfg.model.name
+        self.events = None
+
+    def _build_worker(self) -> TargetWorker:
+        if self.cfg.engine.draft not in ("none", ""):
+            from mleagle.engine.spec.worker import build_spec_worker  # the speculative path, when asked
+
+            return build_spec_worker(self)
+        return TargetWorker(self.target, self.device)
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        return self.worker.runners
+
+    # --- the engine loop API -------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if rid in self.scheduler.reqs:
+            raise EngineInputError(f"request id {rid!r} is already in use")
+        ids = list(prompt_ids)
+        if not ids:
+            raise EngineInputError("the prompt is empty")
+        v = self.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < v]
+        if bad:
+            raise EngineInputError(f"prompt token ids out of range [0, {v}): {bad[:5]}")
+        n, c = len(ids), self.max_context_len
+        if n >= c:
+            raise EngineInputError(f"the prompt has {n} tokens; the context limit is {c} (prompt + at least 1 new token)")
+        if n + params.max_new_tokens > c:
+            raise EngineInputError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                                   f"context limit ({c})")
+        need = n + params.max_new_tokens + self.worker.lookahead
+        if need > self.allocator.capacity_tokens:
+            raise EngineInputError(f"the request needs up to {need} KV slots; the pool holds {self.allocator.capacity_tokens}")
+        if params.stop and self.tokenizer is None:
+            raise EngineInputError("stop strings need a tokenizer; this model has none")
+        seed = params.seed if params.seed is not None else _mix(self.cfg.engine.seed, next(self._seeds))
+        req = Req(rid, ids, params, seed)
+        if params.stop and self.tokenizer is not None:
+            req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def step(self) -> list[RequestOutput]:
+        return self.scheduler.step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _stop_cut(self, req: Req, n: int) -> tuple[int, str] | None:
+        st: StopChecker = req.stop_state
+        cut = st.update(req.output_ids[st.n : n])
+        return (cut.keep, cut.matched) if cut is not None else None
+
+    def pool_usage(self) -> list[dict[str, Any]]:
+        used_tok = self.allocator.num_used_tokens
+        return [{"runner": r.name, "kv_used": used_tok, "kv_total": self.allocator.capacity_tokens,
+                 "req_used": self.mem.num_used_reqs, "req_total": self.mem.max_reqs} for r in self.runners]
+
+    # --- offline API ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)  # type: ignore[arg-type]
+        if self.tokenizer is None:
+            raise EngineInputError("this model has no tokenizer: pass token ids")
+        if isinstance(prompt, list):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)  # type: ignore[arg-type]
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def stream(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
+               chat: bool = False) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, delta) as the engine steps, until every prompt is finished."""
+        plist = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
+        rids = []
+        for p, sp in zip(prompts, plist):
+            rid = uuid.uuid4().hex
+            self.add_request(rid, self.encode_prompt(p, chat), sp)
+            rids.append(rid)
+        index = {r: i for i, r in enumerate(rids)}
+        left = set(rids)
+        try:
+            while left:
+                for out in self.step():
+                    if out.rid in index:
+                        if out.finished:
+                            left.discard(out.rid)
+                        yield index[out.rid], out
+        finally:
+            for r in left:
+                self.abort(r)
+            while any(r in self.scheduler.reqs for r in left):
+                self.step()
+
+    def generate(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False) -> list[Completion]:
+        encoded = [self.encode_prompt(p, chat) for p in prompts]
+        res: dict[int, Completion] = {}
+        t0 = time.perf_counter()
+        for i, out in self.stream(encoded, params):
+            c = res.setdefault(i, Completion("", encoded[i], [], "", None, None, None, None))
+            c.rid = out.rid
+            c.token_ids += out.token_ids
+            if out.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + out.logprobs
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = (c.prompt_logprobs or []) + out.prompt_logprobs
+            if out.finished:
+                c.finish_reason, c.matched_stop, c.spec = out.finish_reason, out.matched_stop, out.spec
+                c.timings["e2e_s"] = time.perf_counter() - t0
+        plist = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
+        for i, c in res.items():
+            c.text = self.detokenize(c.token_ids, plist[i])
+        return [res[i] for i in range(len(prompts))]
+
+    def detokenize(self, ids: list[int], sp: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        if sp.stop:
+            cut = StopChecker(self.tokenizer, sp.stop, (), sp.skip_special_tokens).update(ids)
+            if cut is not None:
+                return cut.text
+        return self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+
+
+def default_threads() -> int:
+    return int(os.environ.get("MLEAGLE_THREADS", "0")) or torch.get_num_threads()

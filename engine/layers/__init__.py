@@ -1,0 +1,1 @@
+"""Model building blocks, written tensor-parallel (world size 1 on the CPU path)."""

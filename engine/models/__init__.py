@@ -1,0 +1,1 @@
+"""Model definitions: the Llama-family target decoder (and, with speculation, the MTP draft stack)."""

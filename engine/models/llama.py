@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, SmolLM, Mistral without sliding window).
+
+RMSNorm, RoPE (plain or Llama-3 scaled), GQA attention through the bound backend, SwiGLU MLP; fused
+QKV and gate/up projections (column-parallel) and row-parallel output projections; a vocab-parallel
+embedding and a tied or untied head. `forward` returns the last layer's hidden states before the
+final norm (what draft layers consume); `compute_logits` applies the final norm and the head to the
+rows the batch asks for. Weights load from HF-named tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from mleagle.engine.config import ModelArch
+from mleagle.engine.distributed import shard
+from mleagle.engine.forward_batch import ForwardBatch
+from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from mleagle.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from mleagle.engine.layers.norm import RMSNorm
+from mleagle.engine.layers.rope import RotaryEmbedding
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArch, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        assert a.head_dim is not None
+        self.layer_id, self.rope, self.d = layer_id, rope, a.head_dim
+        self.hq = shard(a.num_attention_heads, "num_attention_heads")
+        self.hk = shard(a.num_key_value_heads, "num_key_value_heads")
+        hd = a.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            a.hidden_size, [a.num_attention_heads * hd, a.num_key_value_heads * hd, a.num_key_value_heads * hd],
+            bias=a.attention_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(a.num_attention_heads * hd, a.hidden_size, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
+        q, k = self.rope(positions, q.view(t, self.hq, self.d), k.view(t, self.hk, self.d))
+        assert batch.binding is not None
+        o = batch.binding.backend.forward(self.layer_id, q, k, v.view(t, self.hk, self.d), batch)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArch, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, dtype=dtype)
+        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(g) * u)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArch, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.self_attn = Attention(a, layer_id, rope, dtype)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.mlp = MLP(a, dtype)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, w: dict[str, torch.Tensor], p: str) -> None:
+        self.input_layernorm.weight.data.copy_(w[f"{p}.input_layernorm.weight"])
+        self.post_attention_layernorm.weight.data.copy_(w[f"{p}.post_attention_layernorm.weight"])
+        for i, n in enumerate("qkv"):
+            self.self_attn.qkv_proj.load_part(i, w[f"{p}.self_attn.{n}_proj.weight"], w.get(f"{p}.self_attn.{n}_proj.bias"))
+        self.self_attn.o_proj.load(w[f"{p}.self_attn.o_proj.weight"])
+        self.mlp.gate_up_proj.load_part(0, w[f"{p}.mlp.gate_proj.weight"])
+        self.mlp.gate_up_proj.load_part(1, w[f"{p}.mlp.up_proj.weight"])
+        self.mlp.down_proj.load(w[f"{p}.mlp.down_proj.weight"])
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, a: ModelArch, dtype: torch.dtype, max_positions: int | None = None):
+        super().__init__()
+        assert a.head_dim is not None
+        self.arch, self.dtype = a, dtype
+        self.rope = RotaryEmbedding(a.head_dim, max_positions or a.max_position_embeddings, a.rope_theta,
+                                    a.rope_scaling, dtype)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(a, i, self.rope, dtype) for i in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype,
+                                      tied=self.embed_tokens if a.tie_word_embeddings else None)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(batch.positions, h, batch)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    @torch.no_grad()
+    def load_weights(self, w: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors, consuming the dict as it goes so no second copy lingers."""
+        self.embed_tokens.load(w.pop("model.embed_tokens.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}"
+            layer.load(w, p)
+            for k in [k for k in w if k.startswith(p + ".")]:
+                del w[k]
+        self.norm.weight.data.copy_(w.pop("model.norm.weight"))
+        if not self.arch.tie_word_embeddings:
+            self.lm_head.load(w.pop("lm_head.weight"))
+        else:
+            w.pop("lm_head.weight", None)

@@ -1,0 +1,65 @@
+"""A request's life in the engine: its tokens, KV holdings, sampling state, logprobs and finish.
+
+`fill_ids` (prompt + output) are the tokens whose KV the request needs; `kv_len` counts those already
+in the pools. While `kv_len < len(fill_ids)` the request is prefilling (possibly in chunks, or again
+after a preemption); after that it decodes. `emitted` marks how much of the output has been handed
+out as deltas, so a preempted and resumed request never repeats or loses a token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mleagle.engine.outputs import FinishReason, SpecStats, TokenLogprob
+from mleagle.engine.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    req_pool_idx: int | None = None
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    emitted: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    abort_requested: bool = False
+    num_preemptions: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    spec: SpecStats | None = None
+    stop_state: Any = None  # the stop-string matcher's per-request state
+    draft_state: Any = None  # the speculative worker's per-request state (next drafts, bonus token)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < self.fill_len
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED

@@ -1,0 +1,1 @@
+"""Sampling: penalties, temperature and top-k/top-p/min-p filters, seeded draws and logprobs."""

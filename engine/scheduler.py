@@ -1,0 +1,210 @@
+"""Continuous batching: the waiting queue, the running set, chunked prefill, admission and preemption.
+
+Each `step` picks one forward: an EXTEND over prefill chunks when any request needs prefill and the
+token budget and KV pool allow (prefill first, as in nano-vllm), otherwise a decode step for every
+running request. A request is admitted only when its chunk fits in the pool with one decode step of
+headroom left for the running set; when decode finds the pool short, the most recently admitted
+requests are preempted (their KV freed, their generated tokens kept) and resumed later by a prefill
+over prompt + output. Nothing is lost: every request ends with a finish reason, and `release` gives
+back every page and request slot whatever the ending. Stop conditions (EOS, stop ids, stop strings,
+max new tokens, context limit) are applied to each step's new tokens, cutting exactly where the
+first one holds, so several tokens arriving at once (speculation) end in the same place as one by one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from mleagle.engine.memory.manager import MemoryManager
+from mleagle.engine.outputs import RequestOutput
+from mleagle.engine.request import Req, ReqState
+from mleagle.engine.worker import StepResult, TargetWorker
+
+StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
+
+
+class Scheduler:
+    def __init__(self, worker: TargetWorker, mem: MemoryManager, *, max_running: int, max_context: int,
+                 chunk_size: int, max_prefill_tokens: int, eos_ids: set[int],
+                 stop_cut: StopCutFn | None = None):
+        self.worker, self.mem = worker, mem
+        self.max_running, self.max_context = max_running, max_context
+        self.chunk_size, self.max_prefill_tokens = chunk_size, max_prefill_tokens
+        self.eos_ids = eos_ids
+        self.stop_cut = stop_cut
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.last_mode: str = "IDLE"
+        self.last_step_time = 0.0
+        self.on_finish: Callable[[Req], None] | None = None
+
+    # --- requests in and out ---------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is not None and not req.finished:
+            req.abort_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, req: Req, reason: str, matched: int | str | None = None) -> None:
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason  # type: ignore[assignment]
+        req.matched_stop = matched
+        self.worker.release(req)
+        self.mem.release(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.on_finish:
+            self.on_finish(req)
+
+    # --- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for req in [r for r in list(self.waiting) + self.running if r.abort_requested]:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, "abort")
+            outputs.append(self._delta(req))
+        results: list[tuple[Req, StepResult]] = []
+        batch = self._schedule_prefill()
+        if batch:
+            reqs, chunks = batch
+            self.last_mode = "EXTEND"
+            results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+        else:
+            reqs = self._schedule_decode()
+            if reqs:
+                self.last_mode = "DECODE"
+                results = list(zip(reqs, self.worker.decode(reqs)))
+            else:
+                self.last_mode = "IDLE"
+        for req, res in results:
+            self._apply(req, res)
+            if res.tokens or req.finished or res.prompt_logprobs:
+                outputs.append(self._delta(req, res))
+        # A request finished above was removed from the map; forget it.
+        for out in outputs:
+            if out.finished:
+                self.reqs.pop(out.rid, None)
+        self.num_steps += 1
+        self.last_step_time = time.perf_counter() - t0
+        return outputs
+
+    def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
+        budget = self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens
+        reqs: list[Req] = []
+        chunks: list[int] = []
+        n_running = len(self.running)
+        # Requests already running but mid-prefill (chunked) go first, then the waiting queue in order.
+        cands = [r for r in self.running if r.prefilling] + list(self.waiting)
+        for req in cands:
+            if budget <= 0:
+                break
+            new = req.state is ReqState.WAITING
+            if new and n_running >= self.max_running:
+                break
+            remaining = req.fill_len - req.kv_len
+            if self.chunk_size > 0:
+                chunk = min(remaining, budget)
+            else:
+                if reqs and remaining > budget:
+                    break
+                chunk = remaining  # without chunking a prompt goes whole (alone if it is long)
+            # Headroom: after this chunk, every running request must still be able to take a decode step.
+            reserve = -(-(n_running + 1) * self.worker.lookahead // self.mem.page_size)
+            if not self.mem.can_ensure(req, req.kv_len + chunk, reserve_pages=reserve if self.running else 0):
+                break
+            if not self.mem.ensure(req, req.kv_len + chunk):
+                break
+            if new:
+                self.waiting.remove(req)
+                req.state = ReqState.RUNNING
+                self.running.append(req)
+                n_running += 1
+            reqs.append(req)
+            chunks.append(chunk)
+            budget -= chunk
+        return (reqs, chunks) if reqs else None
+
+    def _schedule_decode(self) -> list[Req]:
+        la = self.worker.lookahead
+        while True:
+            ready = [r for r in self.running if not r.prefilling]
+            if not ready:
+                return []
+            short = [r for r in ready if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context))]
+            if not short:
+                return ready
+            # Preempt the newest request (LIFO) and try again; the oldest always gets to finish.
+            victim = max(self.running, key=lambda r: r.arrival)
+            if victim is ready[0] and len(self.running) == 1:
+                raise RuntimeError("KV pool cannot hold a single request; admission should have refused it")
+            self._preempt(victim)
+
+    def _preempt(self, req: Req) -> None:
+        self.worker.release(req)
+        self.mem.release(req)
+        req.kv_len = 0
+        req.state = ReqState.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # --- after a forward -----------------------------------------------------------------------
+    def _apply(self, req: Req, res: StepResult) -> None:
+        if res.prompt_logprobs is not None:
+            req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
+        if not res.tokens:
+            return
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        sp = req.params
+        for j, tok in enumerate(res.tokens):
+            req.output_ids.append(tok)
+            if res.logprobs is not None:
+                req.logprobs.append(res.logprobs[j])
+            n = len(req.output_ids)
+            reason: str | None = None
+            matched: int | str | None = None
+            if n >= sp.min_new_tokens:
+                if tok in self.eos_ids and not sp.ignore_eos:
+                    reason, matched = "stop", tok
+                elif tok in sp.stop_token_ids:
+                    reason, matched = "stop", tok
+                elif sp.stop and self.stop_cut is not None:
+                    hit = self.stop_cut(req, n)
+                    if hit is not None:
+                        keep, s = hit
+                        del req.output_ids[keep:]
+                        del req.logprobs[keep:]
+                        reason, matched = "stop", s
+            if reason is None and (n >= sp.max_new_tokens or req.fill_len >= self.max_context):
+                reason = "length"
+            if reason is not None:
+                # Tokens after the cut (later accepted drafts) are dropped: they were never emitted.
+                self._finish(req, reason, matched)
+                return
+
+    def _delta(self, req: Req, res: StepResult | None = None) -> RequestOutput:
+        new = req.output_ids[req.emitted :]
+        lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
+        req.emitted = len(req.output_ids)
+        return RequestOutput(
+            rid=req.rid, token_ids=new, logprobs=lps,
+            prompt_logprobs=res.prompt_logprobs if res is not None else None,
+            finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+            error=req.error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+            spec=req.spec if req.finished else None,
+        )
