@@ -1,8 +1,44 @@
-"""The `mleagle` command: generate, bench and serve subcommands (filled in by their modules)."""
+"""The `mleagle` command: dispatches to the subcommand's own module, importing only what it needs.
+
+`generate` and `bench` run the engine in-process (torch); `serve` starts the daemon, which itself
+never imports torch; `bench serve` is the online load generator against a running server.
+"""
+
+from __future__ import annotations
 
 import sys
 
+USAGE = """usage: mleagle <command> [options]
+
+commands:
+  generate      offline generation with the engine (see mleagle generate --help)
+  bench         offline throughput benchmark vs HF transformers (mleagle bench --help)
+  bench serve   online load generator against a running server (mleagle bench serve --help)
+  serve         start the OpenAI-compatible daemon (mleagle serve --help)
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
-    print("mleagle: not yet", file=sys.stderr)
-    return 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    cmd, rest = args[0], args[1:]
+    if cmd == "generate":
+        from mleagle.engine.entrypoints.generate import main as run
+    elif cmd == "bench" and rest[:1] == ["serve"]:
+        from mleagle.daemon.bench_serve import bench_serve_main as run
+
+        rest = rest[1:]
+    elif cmd == "bench":
+        from mleagle.engine.entrypoints.bench import main as run
+    elif cmd == "serve":
+        from mleagle.daemon.cli import serve_main as run
+    else:
+        print(f"mleagle: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return int(run(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

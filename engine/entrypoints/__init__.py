@@ -1,0 +1,1 @@
+"""Command-line entry points that run the engine in-process: generate, bench."""
