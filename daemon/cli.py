@@ -1,0 +1,101 @@
+"""`mleagle serve`: the command line of the daemon (`serve_main(argv) -> exit code`).
+
+`--config NAME|PATH` picks a bundled config (`smollm2-135m`, the default) or a TOML file; every other
+flag overrides one field of it, and the result is validated by the same pydantic models, so a bad flag
+value fails with the field's name before anything starts. `--model` swaps the `[model]` section for
+another bundled config, TOML, GGUF file or HF directory. `--api-key` may also come from
+`MLEAGLE_API_KEY` (keeps it out of `ps`). The daemon itself never imports torch: the engine runs in
+its own process (`mleagle.engine.process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from mleagle.engine.config import MleagleConfig, load_config
+from pydantic import ValidationError
+
+# flag -> (section, field)
+OVERRIDES: dict[str, tuple[str, str]] = {
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "api_key": ("server", "api_key"),
+    "served_model_name": ("server", "served_model_name"),
+    "max_queued_requests": ("server", "max_queued_requests"),
+    "max_body_bytes": ("server", "max_body_bytes"),
+    "shutdown_timeout": ("server", "shutdown_timeout_s"),
+    "restart_engine": ("server", "restart_engine"),
+    "device": ("engine", "device"),
+    "dtype": ("engine", "dtype"),
+    "draft": ("engine", "draft"),
+    "spec_steps": ("engine", "spec_steps"),
+    "max_total_tokens": ("engine", "max_total_tokens"),
+    "kv_memory_mb": ("engine", "kv_memory_mb"),
+    "max_running_requests": ("engine", "max_running_requests"),
+    "max_context_len": ("engine", "max_context_len"),
+    "chunked_prefill_size": ("engine", "chunked_prefill_size"),
+    "threads": ("engine", "threads"),
+    "seed": ("engine", "seed"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mleagle serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    ap.add_argument("--config", default=None, help="bundled config name or TOML path (default: smollm2-135m)")
+    ap.add_argument("--model", default=None, help="replace the config's model: config name, TOML, GGUF or HF dir")
+    ap.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to listen everywhere)")
+    ap.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
+    ap.add_argument("--api-key", default=os.environ.get("MLEAGLE_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--draft", default=None, help="draft stack: PATH, random:S[:seed] or none")
+    ap.add_argument("--spec-steps", type=int, default=None)
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (per runner)")
+    ap.add_argument("--kv-memory-mb", type=float, default=None)
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--max-context-len", type=int, default=None)
+    ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--max-queued-requests", type=int, default=None, help="beyond running + this many: 429")
+    ap.add_argument("--max-body-bytes", type=int, default=None)
+    ap.add_argument("--shutdown-timeout", type=float, default=None, help="seconds a SIGTERM drain waits")
+    ap.add_argument("--restart-engine", action=argparse.BooleanOptionalAction, default=None,
+                    help="restart a dead engine (default) or exit non-zero (--no-restart-engine)")
+    ap.add_argument("--access-log", action="store_true")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def make_config(args: argparse.Namespace) -> MleagleConfig:
+    cfg = load_config(args.config)
+    data: dict[str, Any] = cfg.model_dump(exclude_unset=False)
+    if args.model:
+        data["model"] = load_config(args.model).model.model_dump()
+    for flag, (section, key) in OVERRIDES.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            data[section][key] = v
+    return MleagleConfig.model_validate(data)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = make_config(args)
+    except (ValueError, ValidationError, OSError) as e:
+        print(f"mleagle serve: bad configuration: {e}", file=sys.stderr)
+        return 2
+    from mleagle.daemon.lifecycle import serve
+
+    return serve(cfg, access_log=args.access_log)
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -1,0 +1,373 @@
+"""The daemon's side of the engine: spawn and supervise the engine process, route its outputs.
+
+`EngineClient.start()` creates a private 0700 run dir, binds a PUSH (requests) and a PULL (outputs)
+socket there per engine generation, spawns `python -m mleagle.engine.process` and waits for its
+`Ready`. Each request registers a sink (an asyncio queue shared by the n choices of one HTTP request)
+and gets its `RequestOutput` deltas there as `(tag, output)`; an engine-side refusal arrives as
+`(tag, EngineRequestFailed)`. If the process dies, every request in flight gets an `EngineDead`
+error at once, the state turns `dead` (so `/health` says 503), and the engine is restarted with
+backoff, or `on_fatal` is called so the server exits non-zero (`server.restart_engine = false`).
+A background pinger keeps pool usage and counters fresh and notices an engine that stops answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from mleagle.engine.config import MleagleConfig
+from mleagle.engine.outputs import RequestOutput
+from mleagle.engine.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    AddRequest,
+    Fatal,
+    Outputs,
+    Ping,
+    Pong,
+    Ready,
+    RequestError,
+    Shutdown,
+    decode_engine_msg,
+    encode,
+)
+from mleagle.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("mleagle.daemon.engine")
+
+
+class EngineUnavailable(Exception):
+    """The engine is starting, restarting, dead or stopping: try again later (HTTP 503)."""
+
+
+class EngineDead(Exception):
+    """The engine process died with this request in flight."""
+
+
+class EngineRequestFailed(Exception):
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "input" (HTTP 400) or "internal" (500)
+
+
+def load_tokenizer(path: str) -> Any:
+    from mleagle.engine.tokenizer import Tokenizer
+
+    return Tokenizer.load(path)
+
+
+@dataclass
+class _Req:
+    sink: asyncio.Queue[tuple[int, Any]]
+    tag: int
+    aborted: bool = False
+
+
+@dataclass
+class _Gen:
+    """One engine process and the sockets that talk to it."""
+
+    n: int
+    proc: asyncio.subprocess.Process
+    push: zmq.Socket
+    pull: zmq.asyncio.Socket
+    events_addr: str
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+
+class EngineClient:
+    def __init__(
+        self,
+        cfg: MleagleConfig,
+        *,
+        restart: bool = True,
+        on_fatal: Callable[[int], None] | None = None,
+        on_state: Callable[[str], None] | None = None,
+        on_pong: Callable[[Pong], None] | None = None,
+        ready_timeout_s: float = 600.0,
+        ping_interval_s: float = 1.0,
+    ) -> None:
+        self.cfg = cfg
+        self.restart = restart
+        self.on_fatal = on_fatal
+        self.on_state = on_state
+        self.on_pong = on_pong
+        self.ready_timeout_s = ready_timeout_s
+        self.ping_interval_s = ping_interval_s
+        self.state = "stopped"  # starting | ready | dead | stopping | stopped
+        self.error: str | None = None  # why the last engine failed
+        self.info: Ready | None = None
+        self.tokenizer: Any = None
+        self.restarts = 0
+        self.last_pong: Pong | None = None
+        self.last_pong_t = 0.0
+        self.reqs: dict[str, _Req] = {}
+        self.run_dir = tempfile.mkdtemp(prefix="mleagle-")  # mkdtemp makes it 0700
+        os.chmod(self.run_dir, 0o700)
+        self.ctx = zmq.asyncio.Context()
+        self.sync_ctx = zmq.Context()
+        self.gen: _Gen | None = None
+        self._n = 0
+        self._seq = 0
+        self._pongs: dict[int, asyncio.Future[Pong]] = {}
+        self._ready: asyncio.Future[Ready] | None = None
+        self._stopping = False
+        self._restart_task: asyncio.Task[None] | None = None
+        self._pinger: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _set_state(self, s: str) -> None:
+        self.state = s
+        if self.on_state is not None:
+            self.on_state(s)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.gen.proc.pid if self.gen is not None else None
+
+    @property
+    def events_addr(self) -> str | None:
+        return self.gen.events_addr if self.gen is not None and self.state == "ready" else None
+
+    async def start(self) -> None:
+        """Spawn the engine and wait for its handshake; raises RuntimeError if it cannot start."""
+        self._stopping = False
+        self._set_state("starting")
+        try:
+            await self._spawn()
+        except Exception as e:
+            self.error = str(e)
+            self._set_state("dead")
+            self._kill_gen()
+            raise
+        if self._pinger is None:
+            self._pinger = asyncio.create_task(self._ping_loop())
+
+    async def _spawn(self) -> None:
+        self._n += 1
+        n = self._n
+        d = self.run_dir
+        req_addr, out_addr, ev_addr = (f"ipc://{d}/g{n}-{k}" for k in ("req", "out", "ev"))
+        push = self.sync_ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; admission control bounds the queue
+        push.bind(req_addr)
+        pull = self.ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        pull.bind(out_addr)
+        cfg_file = Path(d) / f"g{n}-config.json"
+        cfg_file.write_text(self.cfg.model_dump_json())
+        cmd = [sys.executable, "-m", "mleagle.engine.process", "--config-file", str(cfg_file), "--run-dir", d,
+               "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr]
+        # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
+        proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)
+        gen = self.gen = _Gen(n, proc, push, pull, ev_addr)
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        gen.tasks.append(asyncio.create_task(self._recv_loop(gen)))
+        watch = asyncio.create_task(self._watch(gen))
+        gen.tasks.append(watch)
+        t0 = time.perf_counter()
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self._ready), self.ready_timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise RuntimeError(f"engine not ready after {self.ready_timeout_s:.0f}s") from None
+        if ready.protocol_version != PROTOCOL_VERSION:
+            proc.kill()
+            raise RuntimeError(f"engine speaks protocol {ready.protocol_version}, daemon {PROTOCOL_VERSION}")
+        tok = None
+        if ready.tokenizer_dir:
+            tok = await asyncio.to_thread(load_tokenizer, ready.tokenizer_dir)
+        self.info, self.tokenizer, self.error = ready, tok, None
+        log.info("engine %d ready in %.1fs (pid %d): %s", n, time.perf_counter() - t0, proc.pid, ready.model_name)
+        self._set_state("ready")
+
+    async def _recv_loop(self, gen: _Gen) -> None:
+        while True:
+            try:
+                data = await gen.pull.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg = decode_engine_msg(data)
+            except ValueError as e:
+                log.error("dropped a malformed engine message: %s", e)
+                continue
+            if isinstance(msg, Outputs):
+                for o in msg.outputs:
+                    self._deliver(o)
+            elif isinstance(msg, RequestError):
+                r = self.reqs.pop(msg.rid, None)
+                if r is not None and not r.aborted:
+                    r.sink.put_nowait((r.tag, EngineRequestFailed(msg.message, msg.kind)))
+            elif isinstance(msg, Pong):
+                self.last_pong, self.last_pong_t = msg, time.monotonic()
+                fut = self._pongs.pop(msg.seq, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+                if self.on_pong is not None:
+                    self.on_pong(msg)
+            elif isinstance(msg, Ready):
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(msg)
+            elif isinstance(msg, Fatal):
+                log.error("engine: %s", msg.message)
+                self.error = msg.message
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_exception(RuntimeError(msg.message))
+
+    def _deliver(self, o: RequestOutput) -> None:
+        r = self.reqs.get(o.rid)
+        if r is None:
+            return
+        if o.finished:
+            del self.reqs[o.rid]
+        if not r.aborted:
+            r.sink.put_nowait((r.tag, o))
+
+    async def _watch(self, gen: _Gen) -> None:
+        rc = await gen.proc.wait()
+        if self._stopping or gen is not self.gen:
+            return
+        why = self.error or f"engine process exited with code {rc}"
+        log.error("engine %d died: %s", gen.n, why)
+        self.error = why
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(why))
+        self._fail_all(why)
+        if self.state in ("starting",):
+            return  # start() reports it
+        self._set_state("dead")
+        self._close_gen(gen, cancel_watch=False)
+        if self.restart:
+            self._restart_task = asyncio.create_task(self._restart_loop())
+        elif self.on_fatal is not None:
+            self.on_fatal(1)
+
+    def _fail_all(self, why: str) -> None:
+        reqs, self.reqs = self.reqs, {}
+        for r in reqs.values():
+            if not r.aborted:
+                r.sink.put_nowait((r.tag, EngineDead(f"the engine failed: {why}")))
+        for fut in self._pongs.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why))
+        self._pongs.clear()
+
+    async def _restart_loop(self) -> None:
+        delay = 0.5
+        while not self._stopping:
+            self.restarts += 1
+            self._set_state("starting")
+            try:
+                await self._spawn()
+                return
+            except Exception as e:
+                log.error("engine restart failed: %s", e)
+                self.error = str(e)
+                self._set_state("dead")
+                self._kill_gen()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def _kill_gen(self) -> None:
+        if self.gen is not None:
+            if self.gen.proc.returncode is None:
+                self.gen.proc.kill()
+            self._close_gen(self.gen)
+
+    def _close_gen(self, gen: _Gen, cancel_watch: bool = True) -> None:
+        for t in gen.tasks:
+            if cancel_watch or t is not asyncio.current_task():
+                t.cancel()
+        gen.push.close(linger=0)
+        gen.pull.close(linger=0)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit, kill it after `timeout`, clean up sockets and the run dir."""
+        self._stopping = True
+        self._set_state("stopping")
+        for t in (self._pinger, self._restart_task):
+            if t is not None:
+                t.cancel()
+        gen = self.gen
+        if gen is not None:
+            if gen.proc.returncode is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    gen.push.send(encode(Shutdown()), zmq.NOBLOCK)
+                try:
+                    await asyncio.wait_for(gen.proc.wait(), timeout)
+                except asyncio.TimeoutError:
+                    log.warning("engine did not stop in %.0fs: killing it", timeout)
+                    gen.proc.kill()
+                    await gen.proc.wait()
+            self._close_gen(gen)
+        self._fail_all("the server is shutting down")
+        self.ctx.destroy(linger=0)
+        self.sync_ctx.destroy(linger=0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._set_state("stopped")
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _send(self, msg: Any) -> None:
+        if self.gen is None or self.state != "ready":
+            raise EngineUnavailable(self.error or f"engine is {self.state}")
+        try:
+            self.gen.push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineUnavailable(f"engine socket: {e}") from None
+
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue[tuple[int, Any]], tag: int) -> None:
+        if rid in self.reqs:
+            raise ValueError(f"duplicate request id {rid!r}")
+        self._send(AddRequest(rid=rid, prompt_ids=prompt_ids, params=params))
+        self.reqs[rid] = _Req(sink, tag)
+
+    def abort(self, rid: str) -> None:
+        """Stop a request (client gone); its final output is swallowed, its slots freed by the engine."""
+        r = self.reqs.get(rid)
+        if r is None or r.aborted:
+            return
+        r.aborted = True
+        try:
+            self._send(AbortRequest(rid=rid))
+        except EngineUnavailable:
+            self.reqs.pop(rid, None)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.reqs)
+
+    async def ping(self, timeout: float = 5.0) -> Pong:
+        self._seq += 1
+        seq = self._seq
+        fut: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
+        self._pongs[seq] = fut
+        try:
+            self._send(Ping(seq=seq))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pongs.pop(seq, None)
+
+    async def _ping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ping_interval_s)
+            if self.state == "ready":
+                with contextlib.suppress(EngineUnavailable, asyncio.TimeoutError):
+                    await self.ping(timeout=30.0)

@@ -1,0 +1,123 @@
+"""`GET /v1/events`: the engine's state events relayed to WebSocket subscribers.
+
+One SUB socket per engine generation feeds a `StateTracker`; each WebSocket subscriber first gets a
+`snapshot` event (the current state), then the deltas as JSON text frames, optionally filtered by
+type (`?types=batch,pool`). A subscriber that cannot keep up loses its oldest events (its queue is
+bounded) and is told how many with a `drops` event of stage "relay"; the engine never waits for it.
+The route sits behind the API key like every other route but `/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+from mleagle.daemon.errors import APIError
+from mleagle.engine.event_bus import StateTracker, ZmqEventSubscriber
+from mleagle.engine.events import EVENT_TYPES, DropsEvent, dump_event
+
+log = logging.getLogger("mleagle.daemon.events")
+SUB_QUEUE = 2048
+
+
+class _Sub:
+    def __init__(self, types: set[str] | None) -> None:
+        self.types = types
+        self.q: asyncio.Queue[Any] = asyncio.Queue(SUB_QUEUE)
+        self.dropped: Counter[str] = Counter()
+
+    def put(self, e: Any) -> None:
+        if self.types is not None and e.type not in self.types:
+            return
+        if self.q.full():
+            old = self.q.get_nowait()
+            self.dropped[old.type] += 1
+        self.q.put_nowait(e)
+
+
+class EventsRelay:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.tracker = StateTracker()
+        self.subs: set[_Sub] = set()
+        self.task: asyncio.Task[None] | None = None
+        self.received = 0
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+    async def _run(self) -> None:
+        while True:
+            addr = self.client.events_addr
+            if addr is None:
+                await asyncio.sleep(0.2)
+                continue
+            sub = ZmqEventSubscriber(addr, ctx=self.client.ctx)
+            try:
+                while self.client.events_addr == addr:
+                    try:
+                        e = await asyncio.wait_for(sub.recv(), 1.0)
+                    except asyncio.TimeoutError:
+                        continue
+                    self.received += 1
+                    self.tracker.apply(e)
+                    for s in self.subs:
+                        s.put(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event relay failed; reconnecting")
+                await asyncio.sleep(0.5)
+            finally:
+                sub.close()
+            self.tracker = StateTracker()  # a new engine: old state is gone
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = request.query.get("types", "").strip()
+        types = None
+        if raw:
+            types = {t.strip() for t in raw.split(",") if t.strip()}
+            bad = types - set(EVENT_TYPES)
+            if bad:
+                raise APIError(400, f"unknown event types {sorted(bad)}; known: {', '.join(EVENT_TYPES)}", param="types")
+        ws = web.WebSocketResponse(heartbeat=30.0)
+        await ws.prepare(request)
+        sub = _Sub(types)
+        self.subs.add(sub)
+        reader = asyncio.create_task(self._drain_client(ws))
+        try:
+            await ws.send_str(dump_event(self.tracker.snapshot()))
+            reported = 0
+            while not ws.closed and not reader.done():
+                get = asyncio.create_task(sub.q.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    break
+                await ws.send_str(dump_event(get.result()))
+                lost = sum(sub.dropped.values())
+                if lost != reported and (types is None or "drops" in types):
+                    reported = lost
+                    await ws.send_str(dump_event(DropsEvent(stage="relay", dropped=dict(sub.dropped))))
+        except (ConnectionResetError, RuntimeError):
+            pass
+        finally:
+            self.subs.discard(sub)
+            reader.cancel()
+            await ws.close()
+        return ws
+
+    @staticmethod
+    async def _drain_client(ws: web.WebSocketResponse) -> None:
+        async for _ in ws:  # subscribers only listen; reading notices their close
+            pass

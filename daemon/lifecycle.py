@@ -1,0 +1,88 @@
+"""Running the server: bind, serve, and stop cleanly.
+
+`serve(cfg)` starts the aiohttp app (uvloop when installed) and returns the process exit code.
+SIGTERM or SIGINT starts a drain: the listening socket closes (new connections are refused), new
+requests on open connections get 503, requests in flight run to completion for up to
+`server.shutdown_timeout_s`, then whatever is left is aborted, the engine is asked to exit (killed if it
+does not) and the run dir removed; the exit code is 0. A second signal skips the wait. If the engine
+dies and `server.restart_engine` is false, or it cannot start at all, the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from aiohttp import web
+from mleagle.daemon.server import SRV, create_app
+from mleagle.engine.config import MleagleConfig
+
+log = logging.getLogger("mleagle.daemon")
+
+
+async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
+    t0 = time.perf_counter()
+    stop = asyncio.Event()
+    code = [0]
+    hurry = [False]
+
+    def fatal(c: int) -> None:
+        code[0] = c
+        hurry[0] = True
+        stop.set()
+
+    app = create_app(cfg, on_fatal=fatal)
+    srv = app[SRV]
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0,
+                           access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
+    await site.start()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(name: str) -> None:
+        if stop.is_set():
+            log.warning("second %s: stopping now", name)
+            hurry[0] = True
+            srv.idle.set()
+        else:
+            log.info("%s: draining (up to %.0fs)", name, cfg.server.shutdown_timeout_s)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    server = getattr(site, "_server", None)
+    socks = getattr(server, "sockets", None) or []
+    port = socks[0].getsockname()[1] if socks else cfg.server.port
+    # The one line tools parse to find the server (port 0 picks a free port).
+    print(f"mleagle: serving {srv.model} on http://{cfg.server.host}:{port} (pid-ready in "
+          f"{time.perf_counter() - t0:.2f}s; engine starting)", flush=True)
+    await stop.wait()
+    srv.draining = True
+    await site.stop()  # stop listening; open connections carry on
+    if not hurry[0] and srv.active:
+        try:
+            await asyncio.wait_for(srv.idle.wait(), cfg.server.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("drain deadline passed with %d requests in flight: aborting them", srv.active)
+    await runner.cleanup()
+    log.info("stopped (exit code %d)", code[0])
+    return code[0]
+
+
+def serve(cfg: MleagleConfig, access_log: bool = False) -> int:
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    try:
+        with runner:
+            return runner.run(serve_async(cfg, access_log))
+    except OSError as e:
+        print(f"mleagle serve: {e}", file=sys.stderr)
+        return 1

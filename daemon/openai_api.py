@@ -1,0 +1,176 @@
+"""Request models of the OpenAI-compatible API (completions, chat) and of the native `/generate`.
+
+Pydantic validates every body (types and ranges, as the OpenAI reference states them) and
+`to_sampling_params` maps a request onto the engine's `SamplingParams`. Unknown fields are ignored,
+as OpenAI clients send fields this server has no use for (`user`, `metadata`, ...); fields whose
+meaning it cannot honour (`logit_bias`, `echo`, `best_of`, `suffix`, tools, non-text response formats,
+non-text message parts) are refused with a 400 rather than silently dropped. vLLM-style extras are
+accepted: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, and `spec_stats` (per-request speculative statistics in the response).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from mleagle.daemon.errors import APIError
+from mleagle.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by completions and chat (OpenAI ranges; vLLM extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63 - MAX_N)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    logit_bias: dict[str, float] | None = None
+    user: StrictStr | None = None
+    spec_stats: StrictBool = False
+
+    def _refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def check(self) -> None:
+        self._refuse_unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of other than n is not supported", param="best_of", code="unsupported")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+        p = self.prompt
+        if (isinstance(p, str) and p == "") or (isinstance(p, list) and (not p or any(x in ("", []) for x in p))):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"message content part of type {part.type!r} is not supported", param="messages")
+            out.append(part.text)
+        return "".join(out)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: StrictBool = True
+
+    def check(self) -> None:
+        self._refuse_unsupported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+    def messages_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in self.messages]
+
+
+class GenerateRequest(BaseModel):
+    """Native endpoint (SGLang-like): text or token ids in, engine `SamplingParams` as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: StrictStr | None = None
+    input_ids: list[StrictInt] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: StrictBool = False
+    spec_stats: StrictBool = False
+    rid: StrictStr | None = Field(None, max_length=128)
+
+    def check(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise APIError(400, "give exactly one of text and input_ids", param="text")
+        if self.text == "" or self.input_ids == []:
+            raise APIError(400, "the prompt must not be empty", param="text")
+
+
+def to_sampling_params(req: CompletionRequest | ChatRequest, max_new: int, index: int) -> SamplingParams:
+    """The engine's parameters for choice `index` of `req`; seeds differ per choice so n>1 differs."""
+    if isinstance(req, ChatRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+    kw: dict[str, Any] = {
+        "max_new_tokens": max_new,
+        "min_new_tokens": min(req.min_tokens, max_new),
+        "stop": stop,
+        "stop_token_ids": req.stop_token_ids or [],
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    for f in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = getattr(req, f)
+        if v is not None:
+            kw[f] = v
+    if req.seed is not None:
+        kw["seed"] = req.seed + index
+    return SamplingParams(**kw)

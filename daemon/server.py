@@ -1,0 +1,616 @@
+"""The HTTP app: `create_app(cfg)` builds the aiohttp application and its routes.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI; JSON or SSE streaming),
+`GET /v1/models`, `GET /health` (no API key), `GET /metrics` (Prometheus), `POST /generate` (native),
+`GET /v1/events` (state events over WebSocket), `GET /debug/engine` (fresh pool usage and counters).
+One middleware checks the API key, turns every failure into an OpenAI error body and counts HTTP
+statuses. Admission control happens before the engine sees a request: the server answers 503 while
+the engine is down or the server drains, and 429 with `Retry-After` once running + queued requests
+reach `max_running_requests + max_queued_requests`. A streamed response sends its headers only with
+its first delta, so a request the engine refuses still gets its proper status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from mleagle.daemon.engine_client import EngineClient, EngineUnavailable
+from mleagle.daemon.errors import APIError, from_validation
+from mleagle.daemon.events_relay import EventsRelay
+from mleagle.daemon.generation import Choice, Delta, Generation
+from mleagle.daemon.metrics import Metrics
+from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
+from mleagle.engine.config import MleagleConfig
+from mleagle.engine.outputs import TokenLogprob
+from mleagle.engine.sampling_params import SamplingParams
+from pydantic import BaseModel, ValidationError
+
+log = logging.getLogger("mleagle.daemon")
+SRV: web.AppKey[Server] = web.AppKey("srv")
+PUBLIC = {"/health"}
+
+
+class Server:
+    """State shared by the routes: config, engine client, metrics, admission and drain."""
+
+    def __init__(self, cfg: MleagleConfig, on_fatal: Callable[[int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.model = cfg.server.served_model_name or cfg.model.name
+        self.metrics = Metrics(self.model)
+        self.on_fatal = on_fatal
+        self.client = EngineClient(
+            cfg,
+            restart=cfg.server.restart_engine,
+            on_fatal=self._fatal,
+            on_state=lambda s: self.metrics.engine_up.set(1 if s == "ready" else 0),
+            on_pong=self._on_pong,
+        )
+        self.events = EventsRelay(self.client)
+        self.draining = False
+        self.active = 0  # HTTP requests with a generation in flight (what a drain waits for)
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.max_inflight = cfg.engine.max_running_requests + cfg.server.max_queued_requests
+        self._tok_cache: dict[int, str] = {}
+        self._start_task: asyncio.Task[None] | None = None
+
+    def _fatal(self, code: int) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(code)
+
+    def _on_pong(self, p: Any) -> None:
+        self.metrics.set_pools(p.pool_usage)
+        self._set_queue_gauges(p.stats)
+
+    def _set_queue_gauges(self, stats: dict[str, Any] | None = None) -> None:
+        n = self.client.num_inflight
+        stats = stats or {}
+        run = stats.get("num_running")
+        wait = stats.get("num_waiting")
+        if not isinstance(run, int) or not isinstance(wait, int):
+            run = min(n, self.cfg.engine.max_running_requests)
+            wait = n - run
+        self.metrics.running.labels(self.model).set(run)
+        self.metrics.waiting.labels(self.model).set(wait)
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.client.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        assert self.client.info is not None
+        return self.client.info.max_context_len
+
+    def check_ready(self) -> None:
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.client.state != "ready":
+            self.metrics.rejected.labels("engine_unavailable").inc()
+            why = f" ({self.client.error})" if self.client.error else ""
+            raise APIError(503, f"the engine is {self.client.state}{why}", code="engine_unavailable",
+                           headers={"Retry-After": "5"})
+
+    def admit(self, k: int) -> None:
+        self.check_ready()
+        if self.client.num_inflight + k > self.max_inflight:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"too many requests in flight ({self.client.num_inflight}); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model, self.cfg.model.name):
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model!r}",
+                           param="model", code="model_not_found")
+
+    def budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        """max_new_tokens for a prompt: what the client asked for, checked against the context."""
+        ctx = self.max_context
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {ctx} tokens",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return ctx - prompt_len
+        if prompt_len + max_tokens > ctx:
+            raise APIError(
+                400,
+                f"this model's context is {ctx} tokens; the prompt is {prompt_len} tokens and max_tokens is "
+                f"{max_tokens} ({prompt_len + max_tokens} in all): lower max_tokens or shorten the prompt",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer and this model has none: send token ids", param="prompt")
+        return self.tokenizer
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        tok = self.need_tokenizer("a text prompt")
+        try:
+            return tok.encode(text, add_special_tokens=special)
+        except (UnicodeError, ValueError, TypeError) as e:
+            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.client.info.vocab_size if self.client.info else None
+        if vocab is None and self.tokenizer is not None:
+            vocab = self.tokenizer.vocab_size
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        return ids
+
+    def tok_str(self, i: int) -> str:
+        s = self._tok_cache.get(i)
+        if s is None:
+            s = self.tokenizer.decode([i], skip_special_tokens=False) if self.tokenizer is not None else f"<{i}>"
+            if len(self._tok_cache) < 200_000:
+                self._tok_cache[i] = s
+        return s
+
+    def generation(self) -> Generation:
+        return Generation(self.client, self.metrics, self.tokenizer)
+
+    def enter(self) -> None:
+        self.active += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.idle.set()
+
+
+# ---- body parsing -------------------------------------------------------------------------------
+
+
+async def read_json(request: web.Request, srv: Server) -> dict[str, Any]:
+    limit = srv.cfg.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"request body is {request.content_length} bytes; the limit is {limit}", code="body_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    c = gen.completion_tokens
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": c, "total_tokens": gen.prompt_tokens + c}
+
+
+# ---- logprob formatting -------------------------------------------------------------------------
+
+
+def completion_logprobs(srv: Server, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    toks = [srv.tok_str(lp.token_id) for lp in lps]
+    offsets = []
+    for t in toks:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": toks,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{srv.tok_str(i): v for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(srv: Server, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def one(i: int, v: float) -> dict[str, Any]:
+        s = srv.tok_str(i)
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(i, v) for i, v in lp.top]} for lp in lps]}
+
+
+def spec_stats(c: Choice) -> dict[str, Any] | None:
+    return c.spec.summary() if c.spec is not None else None
+
+
+# ---- SSE ------------------------------------------------------------------------------------------
+
+
+class SSE:
+    """A server-sent-events response prepared lazily, on the first chunk."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.resp: web.StreamResponse | None = None
+
+    async def send(self, obj: Any) -> None:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no"})
+            await self.resp.prepare(self.request)
+        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+        await self.resp.write(f"data: {data}\n\n".encode())
+
+    async def close(self) -> web.StreamResponse:
+        await self.send("[DONE]")
+        assert self.resp is not None
+        await self.resp.write_eof()
+        return self.resp
+
+
+async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta], list[dict[str, Any]]],
+                 tail: Callable[[], list[dict[str, Any]]]) -> web.StreamResponse:
+    """Run `gen`, sending `chunks(delta)` per delta and `tail()` at the end; an error after the headers
+    went out is sent as an `{"error": ...}` event (OpenAI's convention) before `[DONE]`."""
+    sse = SSE(request)
+    try:
+        async for d in gen.deltas():
+            for ch in chunks(d):
+                await sse.send(ch)
+    except APIError as e:
+        if sse.resp is None:
+            raise
+        await sse.send(e.body())
+        return await sse.close()
+    for ch in tail():
+        await sse.send(ch)
+    return await sse.close()
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    srv = request.app[SRV]
+    req: CompletionRequest = parse(CompletionRequest, await read_json(request, srv))
+    req.check()
+    srv.check_model(req.model)
+    srv.check_ready()
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [srv.encode(p, True)]
+    elif all(isinstance(x, str) for x in p):
+        prompts = [srv.encode(x, True) for x in p]  # type: ignore[arg-type]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [srv.check_ids(p)]  # type: ignore[arg-type]
+    else:
+        prompts = [srv.check_ids(x) for x in p]  # type: ignore[arg-type]
+    gen = srv.generation()
+    gen.id = "cmpl-" + gen.id
+    for ids in prompts:
+        budget = srv.budget(len(ids), req.max_tokens)
+        for j in range(req.n):
+            gen.add(ids, to_sampling_params(req, budget, j), count_prompt=j == 0)
+    return await run_generation(request, srv, gen, req, _completion_format(srv, gen, req))
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    srv = request.app[SRV]
+    req: ChatRequest = parse(ChatRequest, await read_json(request, srv))
+    req.check()
+    srv.check_model(req.model)
+    srv.check_ready()
+    tok = srv.need_tokenizer("chat")
+    try:
+        text = tok.apply_chat_template(req.messages_dicts(), add_generation_prompt=req.add_generation_prompt)
+    except APIError:
+        raise
+    except Exception as e:
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    ids = srv.encode(text, False)
+    budget = srv.budget(len(ids), req.max_completion_tokens or req.max_tokens)
+    gen = srv.generation()
+    gen.id = "chatcmpl-" + gen.id
+    for j in range(req.n):
+        gen.add(ids, to_sampling_params(req, budget, j), count_prompt=j == 0)
+    return await run_generation(request, srv, gen, req, _chat_format(srv, gen, req))
+
+
+async def run_generation(request: web.Request, srv: Server, gen: Generation, req: Any, fmt: Any) -> web.StreamResponse:
+    srv.admit(len(gen.choices))
+    srv.enter()
+    try:
+        gen.submit()
+        if req.stream:
+            return await stream(request, gen, fmt.chunks, fmt.tail)
+        await gen.run()
+        return web.json_response(fmt.full(), dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    finally:
+        gen.close()  # aborts unfinished choices: the client left, or an error cut the request short
+        srv.leave()
+
+
+class _Format:
+    """Per-endpoint response shapes: chunks per delta, the stream's tail, the full response."""
+
+    def __init__(self, srv: Server, gen: Generation, req: Any, obj: str) -> None:
+        self.srv, self.gen, self.req, self.obj = srv, gen, req, obj
+        self.created = int(time.time())
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def head(self) -> dict[str, Any]:
+        return {"id": self.gen.id, "object": self.obj, "created": self.created, "model": self.srv.model}
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        out = {**self.head(), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = _usage(self.gen) if self.continuous else None
+        return out
+
+    def tail(self) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [{**self.head(), "choices": [], "usage": _usage(self.gen)}]
+
+
+class _completion_format(_Format):
+    def __init__(self, srv: Server, gen: Generation, req: CompletionRequest) -> None:
+        super().__init__(srv, gen, req, "text_completion")
+        self.offsets = [0] * len(gen.choices)
+
+    def _lp(self, c: Choice, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        out = completion_logprobs(self.srv, lps, self.offsets[c.index])
+        if lps:
+            self.offsets[c.index] = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    def _choice(self, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None) -> dict[str, Any]:
+        ch: dict[str, Any] = {"index": c.index, "text": text, "logprobs": self._lp(c, lps), "finish_reason": finish}
+        if finish is not None:
+            ch["stop_reason"] = c.matched_stop
+            if self.req.spec_stats:
+                ch["spec_stats"] = spec_stats(c)
+        return ch
+
+    def chunks(self, d: Delta) -> list[dict[str, Any]]:
+        if not d.text and not d.finished and not (d.logprobs and self.req.logprobs is not None):
+            return []
+        return [self.chunk(self._choice(d.choice, d.text, d.logprobs, d.choice.finish_reason if d.finished else None))]
+
+    def full(self) -> dict[str, Any]:
+        out = {**self.head(), "choices": [self._choice(c, c.text, c.logprobs, c.finish_reason) for c in self.gen.choices],
+               "usage": _usage(self.gen)}
+        return out
+
+
+class _chat_format(_Format):
+    def __init__(self, srv: Server, gen: Generation, req: ChatRequest) -> None:
+        super().__init__(srv, gen, req, "chat.completion.chunk")
+        self.started: set[int] = set()
+
+    def _lp(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        return chat_logprobs(self.srv, lps) if self.req.logprobs else None
+
+    def chunks(self, d: Delta) -> list[dict[str, Any]]:
+        c, out = d.choice, []
+        if c.index not in self.started:
+            self.started.add(c.index)
+            out.append(self.chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}))
+        if d.text or (d.logprobs and self.req.logprobs):
+            out.append(self.chunk({"index": c.index, "delta": {"content": d.text}, "logprobs": self._lp(d.logprobs),
+                                   "finish_reason": None}))
+        if d.finished:
+            fin: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                                   "stop_reason": c.matched_stop}
+            if self.req.spec_stats:
+                fin["spec_stats"] = spec_stats(c)
+            out.append(self.chunk(fin))
+        return out
+
+    def full(self) -> dict[str, Any]:
+        choices = []
+        for c in self.gen.choices:
+            ch: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                  "logprobs": self._lp(c.logprobs), "finish_reason": c.finish_reason,
+                                  "stop_reason": c.matched_stop}
+            if self.req.spec_stats:
+                ch["spec_stats"] = spec_stats(c)
+            choices.append(ch)
+        return {**self.head(), "object": "chat.completion", "choices": choices, "usage": _usage(self.gen)}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """Native endpoint: `{"text" | "input_ids", "sampling_params": {...}, "stream"}`."""
+    srv = request.app[SRV]
+    req: GenerateRequest = parse(GenerateRequest, await read_json(request, srv))
+    req.check()
+    srv.check_ready()
+    ids = srv.encode(req.text, True) if req.text is not None else srv.check_ids(req.input_ids or [])
+    sp = dict(req.sampling_params)
+    try:
+        params = SamplingParams.model_validate(sp)
+    except ValidationError as e:
+        err = from_validation(e)
+        err.param = f"sampling_params.{err.param}" if err.param else "sampling_params"
+        raise err from None
+    params.max_new_tokens = srv.budget(len(ids), params.max_new_tokens if "max_new_tokens" in sp else None)
+    params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+    gen = srv.generation()
+    if req.rid:
+        gen.id = req.rid
+    c0 = gen.add(ids, params)
+
+    def meta(c: Choice) -> dict[str, Any]:
+        m: dict[str, Any] = {"id": gen.id, "prompt_tokens": len(ids), "completion_tokens": c.num_output_tokens,
+                             "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
+        if req.spec_stats:
+            m["spec"] = spec_stats(c)
+        return m
+
+    def lp(lps: list[TokenLogprob]) -> list[Any] | None:
+        return [[x.token_id, x.logprob, [list(t) for t in x.top]] for x in lps] if params.logprobs is not None else None
+
+    class fmt:
+        @staticmethod
+        def chunks(d: Delta) -> list[dict[str, Any]]:
+            return [{"text": d.text, "token_ids": d.token_ids, "logprobs": lp(d.logprobs), "finished": d.finished,
+                     "meta_info": meta(d.choice) if d.finished else None}]
+
+        @staticmethod
+        def tail() -> list[dict[str, Any]]:
+            return []
+
+        @staticmethod
+        def full() -> dict[str, Any]:
+            return {"text": c0.text, "token_ids": c0.token_ids, "logprobs": lp(c0.logprobs), "meta_info": meta(c0)}
+
+    return await run_generation(request, srv, gen, req, fmt)
+
+
+async def models(request: web.Request) -> web.Response:
+    srv = request.app[SRV]
+    info = srv.client.info
+    return web.json_response({"object": "list", "data": [{
+        "id": srv.model, "object": "model", "created": int(time.time()), "owned_by": "mleagle",
+        "root": srv.cfg.model.name, "max_model_len": info.max_context_len if info else None,
+    }]})
+
+
+async def health(request: web.Request) -> web.Response:
+    srv = request.app[SRV]
+    c = srv.client
+    status = "draining" if srv.draining else c.state
+    body = {"status": "ok" if status == "ready" else status, "engine": c.state, "model": srv.model,
+            "error": c.error, "restarts": c.restarts, "inflight": c.num_inflight}
+    return web.json_response(body, status=200 if status == "ready" else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    srv = request.app[SRV]
+    if srv.client.state == "ready":
+        try:
+            await srv.client.ping(timeout=2.0)  # fresh pool usage: the pong handler updates the gauges
+        except (EngineUnavailable, asyncio.TimeoutError):
+            pass
+    srv._set_queue_gauges(srv.client.last_pong.stats if srv.client.last_pong else None)
+    return web.Response(body=srv.metrics.render(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def debug_engine(request: web.Request) -> web.Response:
+    srv = request.app[SRV]
+    c = srv.client
+    body: dict[str, Any] = {"state": c.state, "pid": c.engine_pid, "restarts": c.restarts, "error": c.error,
+                            "inflight": c.num_inflight, "active_http": srv.active}
+    if c.state == "ready":
+        try:
+            p = await c.ping(timeout=5.0)
+            body.update(num_requests=p.num_requests, pool_usage=p.pool_usage, stats=p.stats)
+        except (EngineUnavailable, asyncio.TimeoutError) as e:
+            body["ping_error"] = str(e) or type(e).__name__
+    return web.json_response(body)
+
+
+# ---- middleware and app -------------------------------------------------------------------------
+
+
+def _route_name(request: web.Request) -> str:
+    info = request.match_info
+    r = info.route.resource if info.route is not None else None
+    return r.canonical if r is not None else "unmatched"
+
+
+def _http_error(e: web.HTTPException) -> APIError:
+    if e.status == 404:
+        return APIError(404, "no such route", code="not_found")
+    if e.status == 405:
+        return APIError(405, "method not allowed for this path", code="method_not_allowed")
+    if e.status == 413:
+        return APIError(413, "request body too large", code="body_too_large")
+    return APIError(e.status, e.reason or "HTTP error")
+
+
+@web.middleware
+async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    srv = request.app[SRV]
+    key = srv.cfg.server.api_key
+    try:
+        if key and request.path not in PUBLIC:
+            auth = request.headers.get("Authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        resp = await handler(request)
+    except APIError as e:
+        resp = e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = _http_error(e).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        rid = uuid.uuid4().hex[:8]
+        log.exception("unhandled error [%s] on %s %s", rid, request.method, request.path)
+        resp = APIError(500, f"internal server error (ref {rid})").response()
+    srv.metrics.http.labels(_route_name(request), str(resp.status)).inc()
+    return resp
+
+
+def create_app(cfg: MleagleConfig, *, on_fatal: Callable[[int], None] | None = None,
+               start_engine: bool = True) -> web.Application:
+    # client_max_size is the hard cap aiohttp enforces while reading; read_json turns it into a 413.
+    app = web.Application(middlewares=[middleware], client_max_size=cfg.server.max_body_bytes)
+    srv = Server(cfg, on_fatal)
+    app[SRV] = srv
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/engine", debug_engine)
+    app.router.add_get("/v1/events", srv.events.handle)
+
+    async def on_startup(app: web.Application) -> None:
+        if not start_engine:
+            return
+
+        async def boot() -> None:
+            try:
+                await srv.client.start()
+            except Exception as e:
+                log.error("the engine failed to start: %s", e)
+                srv._fatal(1)
+
+        srv._start_task = asyncio.create_task(boot())
+        srv.events.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await srv.events.stop()
+        if srv._start_task is not None and not srv._start_task.done():
+            srv._start_task.cancel()
+        await srv.client.stop(timeout=10.0)
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,291 @@
+"""The engine process: `python -m mleagle.engine.process`, started and supervised by the daemon.
+
+It builds `Engine(cfg)`, saves the tokenizer under the run dir (so the daemon loads it without torch),
+connects to the daemon's private `ipc://` sockets (PULL for requests, PUSH for outputs; both bound by
+the daemon inside a 0700 temp dir) and publishes state events on a PUB socket. The loop drains every
+pending message (a blocking poll when idle, non-blocking when there is work), runs one `engine.step()`
+and sends that step's deltas as one `Outputs` message. A bad request is answered with a
+`RequestError` and never stops the loop; a step that raises fails the requests in flight, and three
+failures in a row end the process (the daemon restarts it). Rank 0 talks to the daemon; with
+`--world-size > 1` the other ranks are started the same way and run the engine's worker loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import zmq
+from mleagle.engine.config import MleagleConfig
+from mleagle.engine.outputs import RequestOutput
+from mleagle.engine.protocol import (
+    AbortRequest,
+    AddRequest,
+    Fatal,
+    Outputs,
+    Ping,
+    Pong,
+    Ready,
+    RequestError,
+    Shutdown,
+    decode_daemon_msg,
+    encode,
+)
+
+log = logging.getLogger("mleagle.engine.process")
+IDLE_POLL_MS = 250  # idle wake-up: notices a vanished parent even without PDEATHSIG
+MAX_DRAIN = 512  # messages handled between two steps, so a flood cannot starve decoding
+MAX_STEP_FAILURES = 3
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the daemon dies, so a killed daemon never leaves an orphan engine."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+def build_engine(cfg: MleagleConfig) -> Any:
+    from mleagle.engine.engine import Engine
+
+    return Engine(cfg)
+
+
+class EngineLoop:
+    """Owns the sockets and the request bookkeeping around one `Engine`."""
+
+    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, pump: EventPump | None = None) -> None:
+        self.engine = engine
+        self.pump = pump
+        self.pull = pull
+        self.push = push
+        self.live: set[str] = set()  # rids the engine holds that have not finished
+        self.failures = 0
+        self.ppid = os.getppid()
+        try:
+            from mleagle.engine.engine import EngineInputError
+        except ImportError:  # a stand-in engine
+            EngineInputError = ValueError
+        self.input_error: type[Exception] = EngineInputError
+
+    def send(self, msg: Any) -> None:
+        self.push.send(encode(msg))
+
+    def handle(self, data: bytes) -> bool:
+        """Apply one message; False means shut down."""
+        try:
+            msg = decode_daemon_msg(data)
+        except ValueError as e:
+            log.error("dropped a malformed message: %s", e)
+            return True
+        if isinstance(msg, AddRequest):
+            try:
+                self.engine.add_request(msg.rid, msg.prompt_ids, msg.params)
+                self.live.add(msg.rid)
+            except self.input_error as e:
+                self.send(RequestError(rid=msg.rid, message=str(e), kind="input"))
+            except Exception as e:
+                log.error("add_request %s failed:\n%s", msg.rid, traceback.format_exc())
+                self.send(RequestError(rid=msg.rid, message=f"internal error: {e}", kind="internal"))
+        elif isinstance(msg, AbortRequest):
+            if msg.rid in self.live:
+                try:
+                    self.engine.abort(msg.rid)
+                except Exception:
+                    log.error("abort %s failed:\n%s", msg.rid, traceback.format_exc())
+        elif isinstance(msg, Ping):
+            self.send(self.pong(msg.seq))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def pong(self, seq: int) -> Pong:
+        usage: Any = []
+        stats: Any = {}
+        try:
+            usage = _jsonable(self.engine.pool_usage())
+        except Exception:
+            log.error("pool_usage failed:\n%s", traceback.format_exc())
+        if hasattr(self.engine, "stats"):
+            try:
+                stats = _jsonable(self.engine.stats())
+            except Exception:
+                log.error("stats failed:\n%s", traceback.format_exc())
+        return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats)
+
+    def step(self) -> int | None:
+        """One scheduler step; returns an exit code when the engine is beyond saving."""
+        try:
+            outs: list[RequestOutput] = self.engine.step()
+            self.failures = 0
+        except Exception as e:
+            self.failures += 1
+            log.error("engine step failed (%d in a row):\n%s", self.failures, traceback.format_exc())
+            # We cannot tell which request broke the step: fail every request in flight, free them.
+            failed = sorted(self.live)
+            self.live.clear()
+            for rid in failed:
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    pass
+            err = f"internal engine error: {type(e).__name__}: {e}"
+            self.send(
+                Outputs(outputs=[RequestOutput(rid=r, finished=True, finish_reason="error", error=err) for r in failed])
+            )
+            if self.failures >= MAX_STEP_FAILURES:
+                self.send(Fatal(message=f"{self.failures} engine steps failed in a row; last: {err}"))
+                return 1
+            return None
+        # Deltas of requests already failed above (their abort outputs) are not the daemon's business.
+        outs = [o for o in outs if o.rid in self.live]
+        for o in outs:
+            if o.finished:
+                self.live.discard(o.rid)
+        if outs:
+            self.send(Outputs(outputs=outs))
+        return None
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        while True:
+            busy = self.engine.has_work()
+            timeout = 0 if busy else IDLE_POLL_MS
+            n = 0
+            while n < MAX_DRAIN and poller.poll(timeout):
+                if not self.handle(self.pull.recv()):
+                    return 0
+                n += 1
+                timeout = 0
+            if self.pump is not None:
+                self.pump.pump()
+            if not busy and os.getppid() != self.ppid:
+                log.warning("daemon gone; engine exiting")
+                return 0
+            if self.engine.has_work():
+                code = self.step()
+                if code is not None:
+                    return code
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m mleagle.engine.process", description=__doc__)
+    ap.add_argument("--config-file", required=True, help="MleagleConfig as JSON")
+    ap.add_argument("--run-dir", required=True, help="private dir for the tokenizer copy")
+    ap.add_argument("--requests", required=True, help="zmq address to PULL requests from")
+    ap.add_argument("--outputs", required=True, help="zmq address to PUSH outputs to")
+    ap.add_argument("--events", default=None, help="zmq address to PUBlish state events on")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    return ap.parse_args(argv)
+
+
+class EventPump:
+    """Moves the engine's state events from its `EventBus` to a ZMQ PUB socket, between steps."""
+
+    def __init__(self, engine: Any, addr: str) -> None:
+        from mleagle.engine.event_bus import EventBus, ZmqEventPublisher
+
+        if getattr(engine, "events", None) is None:
+            engine.events = EventBus()
+        self.bus = engine.events
+        self.pub = ZmqEventPublisher(addr)
+        self.last_drops = 0.0
+
+    def pump(self) -> None:
+        try:
+            if len(self.bus):
+                self.pub.publish(self.bus.drain())
+            now = time.monotonic()
+            if now - self.last_drops > 5.0 and (self.bus.dropped or self.pub.dropped):
+                self.last_drops = now
+                self.pub.publish([self.bus.drops_event("engine"), self.pub.drops_event()])
+        except Exception:
+            log.error("event publishing failed:\n%s", traceback.format_exc())
+
+    def close(self) -> None:
+        self.pump()
+        self.pub.close()
+
+
+def _event_pump(engine: Any, addr: str | None) -> EventPump | None:
+    if addr is None:
+        return None
+    try:
+        return EventPump(engine, addr)
+    except Exception:
+        log.error("state events disabled:\n%s", traceback.format_exc())
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop (Ctrl-C hits it)
+    os.environ.setdefault("RANK", str(args.rank))
+    os.environ.setdefault("WORLD_SIZE", str(args.world_size))
+    cfg = MleagleConfig.model_validate_json(Path(args.config_file).read_text())
+    ctx = zmq.Context()
+    push = pull = None
+    if args.rank == 0:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.connect(args.outputs)
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.connect(args.requests)
+    t0 = time.perf_counter()
+    try:
+        engine = build_engine(cfg)
+        if args.rank != 0:
+            # Worker ranks follow rank 0's schedule through torch.distributed, not through the daemon.
+            return int(engine.worker_loop() or 0)
+        tok_dir = None
+        if getattr(engine, "tokenizer", None) is not None:
+            tok_dir = str(Path(args.run_dir) / "tokenizer")
+            engine.tokenizer.save(tok_dir)
+        pump = _event_pump(engine, args.events)
+        ready = Ready(
+            model_name=engine.model_name,
+            max_context_len=int(engine.max_context_len),
+            tokenizer_dir=tok_dir,
+            spec_steps=int(getattr(engine, "spec_steps", None) or cfg.engine.spec_steps or 0),
+            vocab_size=getattr(engine, "vocab_size", None),
+            pid=os.getpid(),
+            world_size=args.world_size,
+        )
+    except Exception as e:
+        log.error("engine failed to start:\n%s", traceback.format_exc())
+        if push is not None:
+            push.send(encode(Fatal(message=f"engine failed to start: {type(e).__name__}: {e}")))
+        ctx.destroy(linger=2000)
+        return 1
+    assert push is not None and pull is not None
+    log.info("engine ready in %.1fs: %s, max context %d", time.perf_counter() - t0, ready.model_name, ready.max_context_len)
+    push.send(encode(ready))
+    code = EngineLoop(engine, pull, push, pump).run()
+    if pump is not None:
+        pump.close()
+    ctx.destroy(linger=1000)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The daemon–engine wire protocol: small pydantic messages sent as JSON over pyzmq (never pickle).
+
+The daemon PUSHes `DaemonMsg`s (add, abort, ping, shutdown) to the engine process and PULLs
+`EngineMsg`s back (ready handshake, batched `RequestOutput` deltas, per-request errors, pongs with pool
+usage and counters, fatal). Every message carries a `type` discriminator, so one `decode_*` call parses
+any of them and anything else on the socket is rejected as a `ValueError`. The module is torch-free:
+the daemon and tools import it without the engine. Bump `PROTOCOL_VERSION` on any incompatible change;
+the daemon refuses an engine whose `Ready` says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from mleagle.engine.outputs import RequestOutput
+from mleagle.engine.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- daemon -> engine ---------------------------------------------------------------------------
+
+
+class AddRequest(_Msg):
+    type: Literal["add"] = "add"
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(_Msg):
+    type: Literal["abort"] = "abort"
+    rid: str
+
+
+class Ping(_Msg):
+    """Health probe; the engine answers with a `Pong` carrying fresh pool usage and counters."""
+
+    type: Literal["ping"] = "ping"
+    seq: int
+
+
+class Shutdown(_Msg):
+    type: Literal["shutdown"] = "shutdown"
+
+
+DaemonMsg = Annotated[AddRequest | AbortRequest | Ping | Shutdown, Field(discriminator="type")]
+
+# ---- engine -> daemon ---------------------------------------------------------------------------
+
+
+class Ready(_Msg):
+    """Sent once the engine is built. `tokenizer_dir` holds a `Tokenizer.save` copy the daemon loads
+    without torch (None when the model has no tokenizer: the daemon then accepts token ids only)."""
+
+    type: Literal["ready"] = "ready"
+    protocol_version: int = PROTOCOL_VERSION
+    model_name: str
+    max_context_len: int
+    tokenizer_dir: str | None = None
+    spec_steps: int = 0
+    vocab_size: int | None = None
+    pid: int
+    world_size: int = 1
+
+
+class Outputs(_Msg):
+    """The deltas of one scheduler step, batched: one message per step, not per request."""
+
+    type: Literal["outputs"] = "outputs"
+    outputs: list[RequestOutput]
+
+
+class RequestError(_Msg):
+    """A request the engine refused (`kind="input"`: the message is user-facing, HTTP 400) or failed
+    (`kind="internal"`). The request is gone from the engine when this is sent."""
+
+    type: Literal["error"] = "error"
+    rid: str
+    message: str
+    kind: Literal["input", "internal"] = "input"
+
+
+class Pong(_Msg):
+    type: Literal["pong"] = "pong"
+    seq: int
+    num_requests: int = 0
+    pool_usage: list[dict[str, Any]] = Field(default_factory=list)
+    stats: dict[str, Any] = Field(default_factory=dict)
+
+
+class Fatal(_Msg):
+    """The engine cannot go on (failed to build, or its loop died); the process exits after sending."""
+
+    type: Literal["fatal"] = "fatal"
+    message: str
+
+
+EngineMsg = Annotated[Ready | Outputs | RequestError | Pong | Fatal, Field(discriminator="type")]
+
+_daemon_msg: TypeAdapter[Any] = TypeAdapter(DaemonMsg)
+_engine_msg: TypeAdapter[Any] = TypeAdapter(EngineMsg)
+
+
+def encode(msg: _Msg) -> bytes:
+    return msg.model_dump_json().encode()
+
+
+def _decode(adapter: TypeAdapter[Any], data: bytes) -> Any:
+    try:
+        return adapter.validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"bad protocol message: {e.errors(include_url=False)[:3]}") from None
+
+
+def decode_daemon_msg(data: bytes) -> AddRequest | AbortRequest | Ping | Shutdown:
+    return _decode(_daemon_msg, data)
+
+
+def decode_engine_msg(data: bytes) -> Ready | Outputs | RequestError | Pong | Fatal:
+    return _decode(_engine_msg, data)
