@@ -34,7 +34,7 @@ from mleagle.engine.events import (
 S = 2
 W = S + 1
 RUNNERS = ["target"] + [f"draft{k}" for k in range(S)]
-KV_TOTAL, REQ_TOTAL = 4096, 32
+KV_TOTAL, REQ_TOTAL = 256, 8
 T0 = 1_700_000_000.0
 WORDS = [" the", " a", " model", " token", " is", " fast", " draft", " layer", " pool", " KV", " cache", ",",
          ".", " and", " of", " to", " verify", " accepted", " speculative", " decoding", " runs", " each", "\n"]

@@ -1,0 +1,50 @@
+"""Pools: one bar per runner (target, then draft0..draft{S-1}) for KV slots and request slots.
+
+Each draft layer has its own pool, so a mis-bound forward shows up here as one layer's pool moving
+while another's should. A pool that is not back to free while nothing runs is flagged (the
+"nothing leaks" invariant, visible live).
+"""
+
+from __future__ import annotations
+
+from mleagle.engine.event_bus import runner_order
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel, bar
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Static
+
+
+class PoolsPanel(Panel):
+    DEFAULT_CSS = """
+    PoolsPanel #pools-table { height: auto; margin: 0 1; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Static("no pool events yet", id="pools-table")
+
+    def update_view(self, m: Dashboard) -> None:
+        pools = [m.tracker.pools[k] for k in sorted(m.tracker.pools, key=runner_order)]
+        if not pools:
+            return
+        t = Table(expand=False, box=None, padding=(0, 1), header_style="bold")
+        t.add_column("runner", style="bold cyan")
+        t.add_column("KV slots", no_wrap=True)
+        t.add_column("used / total", justify="right")
+        t.add_column("%", justify="right")
+        t.add_column("request slots", no_wrap=True)
+        t.add_column("used / total", justify="right")
+        t.add_column("page", justify="right")
+        t.add_column("step", justify="right")
+        t.add_column("")
+        idle = m.num_running == 0 and m.num_waiting == 0 and m.events > 0
+        for p in pools:
+            kf = p.kv_used / p.kv_total if p.kv_total else 0.0
+            rf = p.req_used / p.req_total if p.req_total else 0.0
+            leak = idle and (p.kv_used or p.req_used)
+            t.add_row(p.runner, bar(kf, 28), f"{p.kv_used}/{p.kv_total}", f"{100 * kf:.1f}", bar(rf, 12),
+                      f"{p.req_used}/{p.req_total}", str(p.page_size), "-" if p.step is None else str(p.step),
+                      Text("not free while idle", style="bold red") if leak
+                      else Text("free", style="green") if not (p.kv_used or p.req_used) else Text(""))
+        self.query_one("#pools-table", Static).update(t)

@@ -1,0 +1,93 @@
+"""Requests: one row per request (state, prompt and output tokens, accept length, finish reason), and a
+drill-down screen (enter on a row) listing every emitted token with its text, logprob, probability,
+the speculative depth that produced it and the top alternatives.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mleagle.tui.model import Dashboard, RequestView
+from mleagle.tui.panels import Panel, fmt_f
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Label
+
+STATE_STYLE = {"queued": "yellow", "running": "bold cyan", "finished": "green", "aborted": "red",
+               "preempted": "magenta"}
+COLS = ("rid", "state", "prompt", "output", "accept len", "finish", "tokens")
+
+
+def req_row(r: RequestView) -> tuple:
+    return (Text(r.rid), Text(r.state, style=STATE_STYLE.get(r.state, "")), str(r.prompt_tokens),
+            str(r.output_tokens), fmt_f(r.accept_len), r.finish_reason or (r.error or ""), str(len(r.tokens)))
+
+
+class RequestsPanel(Panel):
+    def compose(self) -> ComposeResult:
+        t = DataTable(id="requests-table", zebra_stripes=True, cursor_type="row")
+        for c in COLS:
+            t.add_column(c, key=c)
+        yield t
+
+    def update_view(self, m: Dashboard) -> None:
+        t = self.query_one("#requests-table", DataTable)
+        keys = {k.value for k in t.rows}
+        for rid, r in m.requests.items():
+            cells = req_row(r)
+            if rid in keys:
+                for c, v in zip(COLS, cells):
+                    t.update_cell(rid, c, v)
+            else:
+                t.add_row(*cells, key=rid)
+        for k in keys - set(m.requests):  # evicted from the bounded history
+            t.remove_row(k)
+
+    def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
+        rid = ev.row_key.value
+        r = self.app.model.requests.get(rid) if rid else None  # type: ignore[attr-defined]
+        if r is not None:
+            self.app.push_screen(RequestScreen(r))
+
+
+def _piece(s: str | None) -> str:
+    return "" if s is None else repr(s)[1:-1]  # show spaces and newlines explicitly
+
+
+class RequestScreen(ModalScreen[None]):
+    """Drill-down of one request: its tokens with logprobs and top alternatives."""
+
+    BINDINGS = [Binding("escape", "dismiss", "back"), Binding("q", "dismiss", "back", show=False)]
+    DEFAULT_CSS = """
+    RequestScreen { align: center middle; }
+    RequestScreen > Vertical { width: 90%; height: 90%; border: thick $accent; background: $surface; }
+    RequestScreen Label { margin: 0 1; }
+    """
+
+    def __init__(self, r: RequestView) -> None:
+        super().__init__()
+        self.r = r
+
+    def compose(self) -> ComposeResult:
+        r = self.r
+        text = "".join(t.text or "" for t in r.tokens)
+        with Vertical():
+            yield Label(Text.assemble(("request ", "bold"), r.rid, "  ", (r.state, STATE_STYLE.get(r.state, "")),
+                                      f"   prompt {r.prompt_tokens}  output {r.output_tokens}"
+                                      f"  accept len {fmt_f(r.accept_len)}  finish {r.finish_reason or '-'}"
+                                      "   (escape to go back)"))
+            yield Label(Text(text[-300:] if len(text) > 300 else text, style="italic"), id="req-text")
+            t = DataTable(id="tokens-table", zebra_stripes=True, cursor_type="row")
+            t.add_columns("#", "token", "id", "logprob", "prob", "depth", "top alternatives")
+            for i, tok in enumerate(r.tokens):
+                alts = "  ".join(f"{_piece(a.text) or a.token_id} {a.logprob:.2f}" for a in tok.top
+                                 if a.token_id != tok.token_id)
+                lp = tok.logprob
+                t.add_row(str(i), Text(_piece(tok.text), style="bold"), str(tok.token_id),
+                          "-" if lp is None else f"{lp:.3f}", "-" if lp is None else f"{math.exp(lp):.3f}",
+                          "-" if tok.depth is None else ("bonus" if tok.depth == 0 else f"draft {tok.depth}"),
+                          Text(alts))
+            yield t
