@@ -4,8 +4,9 @@ Only the `llama` architecture is read (SmolLM2, Llama 2/3, Mistral as llama.cpp 
 llama.cpp permutes the rows of Q and K so that interleaved (GPT-J) RoPE works; we undo it so the
 engine's HF-style `rotate_half` RoPE is correct. The first load dequantises every tensor (a few
 seconds, with progress on stderr) and writes float32 safetensors plus arch.json and the tokenizer
-into the per-file cache directory (`tokenizer.cache_dir_for`); later loads mmap that file, so a
-load takes well under a second. Files are written to a temp name and renamed, so concurrent
+into the per-file cache directory (`tokenizer.cache_dir_for`); later loads mmap that file (float32
+tensors stay file-backed, other dtypes are converted tensor by tensor), so a load takes well under
+a second. Files are written to a temp name and renamed, so concurrent
 processes never read half a file.
 """
 
@@ -172,7 +173,10 @@ def _load_cached(wf: Path, af: Path, dtype: torch.dtype) -> tuple[ModelArch, dic
     with safe_open(str(wf), framework="pt") as f:
         for k in f.keys():
             x = f.get_tensor(k)
-            # float32: clone so no tensor keeps the mmap (and the file) alive; else convert per tensor
-            w[k] = x.clone() if dtype == torch.float32 else x.to(dtype).contiguous()
+            # float32 tensors stay backed by the (private, copy-on-write) file mapping: the load is
+            # instant, pages come in on first use and are shared through the page cache by every
+            # process that loads this model. The cache file is only ever replaced by rename, never
+            # rewritten in place, so the mapping stays valid. Other dtypes convert tensor by tensor.
+            w[k] = x if dtype == torch.float32 else x.to(dtype).contiguous()
     check_weights(arch, w, str(wf))
     return arch, w
