@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import textual.constants
 from aiohttp import web
 from mleagle.engine.events import (
     BatchEvent,
@@ -44,6 +45,12 @@ def screen_text(app: MleagleTui) -> str:
                 force_terminal=True)
     c.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return c.export_text()
+
+
+@pytest.fixture(autouse=True)
+def _no_animations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tab underline animations make every key press wait; they add nothing to what is tested
+    monkeypatch.setattr(textual.constants, "TEXTUAL_ANIMATIONS", "none")
 
 
 async def until(pilot: Pilot, cond: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -59,7 +59,8 @@ HELP = """\
 [b]?[/b]          this help      [b]escape[/b] close a screen      [b]q[/b] quit
 
 Status bar: source state (connected, reconnecting with backoff, replaying, paused, ended),
-events received, malformed events ignored, events dropped upstream (engine, publisher, relay, gaps).
+events received, malformed events ignored, events reported dropped upstream (engine, publisher, relay), and
+gaps in the engine's event numbering seen since connecting (not shown when subscribed to some types).
 Logprob rows whose per-rank counts disagree with the logit rows are shown in red.
 """
 
@@ -106,7 +107,8 @@ class MleagleTui(App[None]):
         self.frozen = False  # live pause: keep receiving, stop redrawing
         self.refresh_s = refresh_s
         self.drawn = -1
-        self.recorder = RecordingWriter(record, source=getattr(source, "url", "")) if record else None
+        meta: dict[str, object] = {"types": source.types} if isinstance(source, LiveSource) and source.types else {}
+        self.recorder = RecordingWriter(record, source=getattr(source, "url", ""), meta=meta) if record else None
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -186,8 +188,12 @@ class MleagleTui(App[None]):
             t.append(f"  {self.source.delivered}/{self.source.total}  speed {self.source.speed:g}x")
         t.append(f"  events {m.events}")
         t.append(f"  malformed {m.malformed}", style="bold red" if m.malformed else "")
-        dropped = sum(m.dropped.values()) + m.seq_gaps
+        dropped = sum(m.dropped.values())
         t.append(f"  dropped {dropped}", style="bold yellow" if dropped else "")
+        # sequence gaps are events lost anywhere upstream since we connected; with a type filter every
+        # filtered-out event is a gap too, so they are only meaningful unfiltered
+        if m.seq_gaps and not self.source.filtered:
+            t.append(f"  gaps {m.seq_gaps}", style="bold yellow")
         if self.frozen:
             t.append("  VIEW FROZEN (p)", style="bold yellow")
         if self.recorder is not None:

@@ -64,6 +64,8 @@ class LiveSource:
         backoff: float = 0.5, backoff_max: float = 10.0, connect_timeout: float = 5.0,
     ) -> None:
         self.url = events_url(url, types)
+        self.types = list(types) if types else None
+        self.filtered = bool(types)  # subscribed to some event types only
         self.api_key = api_key
         self.backoff, self.backoff_max = backoff, backoff_max
         self.connect_timeout = connect_timeout
@@ -131,6 +133,7 @@ class ReplaySource:
         self.max_gap = max_gap
         self.delivered = 0
         self.total = 0
+        self.filtered = False
         self.bad_lines = 0
         self.done = False
         self._go = asyncio.Event()
@@ -191,6 +194,7 @@ class ReplaySource:
     async def run(self, sink: Sink) -> None:
         rec = await asyncio.to_thread(read_recording, self.path)
         self.total, self.bad_lines = len(rec.events), rec.bad_lines
+        self.filtered = bool(rec.header.meta.get("types"))  # recorded from a type-filtered subscription
         for _ in range(rec.bad_lines):
             sink.sink_raw("")  # counted as malformed by the sink, like a bad live frame
         self._notify(sink)
