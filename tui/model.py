@@ -39,6 +39,7 @@ class RequestView:
     accept_len: float | None = None
     error: str | None = None
     tokens: list[TokenEvent] = field(default_factory=list)
+    ver: int = 0  # bumped on every update, so a table redraws only the rows that changed
 
 
 class Dashboard:
@@ -173,6 +174,7 @@ class Dashboard:
             r = self.requests[e.rid] = RequestView(rid=e.rid)
             while len(self.requests) > self.max_requests:
                 self.requests.popitem(last=False)
+        r.ver += 1
         r.state = e.state
         r.prompt_tokens = e.prompt_tokens or r.prompt_tokens
         r.output_tokens = max(e.output_tokens, r.output_tokens)

@@ -33,18 +33,25 @@ class RequestsPanel(Panel):
             t.add_column(c, key=c)
         yield t
 
+    def on_mount(self) -> None:
+        self.drawn: dict[str, int] = {}  # rid -> RequestView.ver last drawn
+
     def update_view(self, m: Dashboard) -> None:
         t = self.query_one("#requests-table", DataTable)
-        keys = {k.value for k in t.rows}
         for rid, r in m.requests.items():
+            ver = self.drawn.get(rid)
+            if ver == r.ver:
+                continue
             cells = req_row(r)
-            if rid in keys:
+            if ver is None:
+                t.add_row(*cells, key=rid)
+            else:
                 for c, v in zip(COLS, cells):
                     t.update_cell(rid, c, v)
-            else:
-                t.add_row(*cells, key=rid)
-        for k in keys - set(m.requests):  # evicted from the bounded history
+            self.drawn[rid] = r.ver
+        for k in set(self.drawn) - set(m.requests):  # evicted from the bounded history
             t.remove_row(k)
+            del self.drawn[k]
 
     def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
         rid = ev.row_key.value
