@@ -103,8 +103,8 @@ class Engine:
                                    self.max_reqs, self.max_context_len + 8, self.dtype)
         self.allocator = SlotAllocator(num_slots, e.page_size)
         self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token])
+        self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
         self.worker = self._build_worker()
-        self.eos_ids = set(self.arch.eos_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
         self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
@@ -118,7 +118,7 @@ class Engine:
             from mleagle.engine.spec.worker import build_spec_worker  # the speculative path, when asked
 
             return build_spec_worker(self)
-        return TargetWorker(self.target, self.device)
+        return TargetWorker(self.target, self.device, frozenset(self.eos_ids))
 
     @property
     def runners(self) -> list[ModelRunner]:

@@ -1,8 +1,8 @@
 """A request's life in the engine: its tokens, KV holdings, sampling state, logprobs and finish.
 
-`fill_ids` (prompt + output) are the tokens whose KV the request needs; `kv_len` counts those already
-in the pools. While `kv_len < len(fill_ids)` the request is prefilling (possibly in chunks, or again
-after a preemption); after that it decodes. `emitted` marks how much of the output has been handed
+`fill_ids` (prompt + output) are the request's tokens; `kv_len` counts those whose KV is in the pools.
+While `kv_len < prefill_len` the request is prefilling (possibly in chunks, or again after a
+preemption, over prompt + output but the last token); after that it decodes, feeding its last token. `emitted` marks how much of the output has been handed
 out as deltas, so a preempted and resumed request never repeats or loses a token.
 """
 
@@ -57,8 +57,14 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens whose KV prefill computes: all of fill_ids but the last output token, which is the
+        next decode step's input (a resumed request continues exactly where it was preempted)."""
+        return self.fill_len - 1 if self.output_ids else self.fill_len
+
+    @property
     def prefilling(self) -> bool:
-        return self.kv_len < self.fill_len
+        return self.kv_len < self.prefill_len
 
     @property
     def finished(self) -> bool:

@@ -114,7 +114,7 @@ class Scheduler:
             new = req.state is ReqState.WAITING
             if new and n_running >= self.max_running:
                 break
-            remaining = req.fill_len - req.kv_len
+            remaining = req.prefill_len - req.kv_len
             if self.chunk_size > 0:
                 chunk = min(remaining, budget)
             else:

@@ -27,17 +27,21 @@ class StepResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def row_info(req: Req, extra: list[int] | None = None) -> RowInfo:
+def row_info(req: Req, extra: list[int] | None = None, eos_ids: frozenset[int] = frozenset()) -> RowInfo:
     out = req.output_ids + (extra or [])
-    return RowInfo(req.params, req.seed, len(out), req.prompt_ids, out)
+    sp = req.params
+    # Before min_new_tokens, EOS and stop ids are banned (as HF's and vLLM's min-tokens processors do).
+    suppress = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_ids)) if len(out) < sp.min_new_tokens else []
+    return RowInfo(sp, req.seed, len(out), req.prompt_ids, out, suppress)
 
 
 class TargetWorker:
     lookahead = 1
 
-    def __init__(self, target: ModelRunner, device: torch.device | str = "cpu"):
+    def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset()):
         self.target = target
         self.device = device
+        self.eos_ids = eos_ids
         self.last_batch: ForwardBatch | None = None
 
     @property
@@ -76,10 +80,11 @@ class TargetWorker:
             if batch.all_logit_rows and r.params.prompt_logprobs is not None and r.prompt_logprobs is None:
                 results[i].prompt_logprobs = self._prompt_logprobs(r, logits[starts[i] : starts[i + 1]], c)
             r.kv_len += c
-        done = [i for i, r in enumerate(reqs) if not r.prefilling]
+        # A resumed request (preempted after generating) already has its next input token: no sample.
+        done = [i for i, r in enumerate(reqs) if not r.prefilling and not r.output_ids]
         if done:
             rows = logits[[last_rows[i] for i in done]]
-            infos = [row_info(reqs[i]) for i in done]
+            infos = [row_info(reqs[i], eos_ids=self.eos_ids) for i in done]
             toks = sample(rows, infos)
             lps = logprobs_of(rows, toks, [reqs[i].params.logprobs for i in done])
             for j, i in enumerate(done):
@@ -110,7 +115,7 @@ class TargetWorker:
         batch = self.decode_batch(reqs)
         out = self.target.forward(batch)
         self.last_batch = batch
-        toks = sample(out.logits, [row_info(r) for r in reqs])
+        toks = sample(out.logits, [row_info(r, eos_ids=self.eos_ids) for r in reqs])
         lps = logprobs_of(out.logits, toks, [r.params.logprobs for r in reqs])
         res = []
         for r, t, lp in zip(reqs, toks, lps):

@@ -27,16 +27,17 @@ def _mix(*xs: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-def generator(seed: int, pos: int, stream: int = STREAM_TOKEN) -> torch.Generator:
+def generator(seed: int, pos: int, stream: int = STREAM_TOKEN, it: int = 0) -> torch.Generator:
+    """`it` separates repeated draws for the same position (speculative iterations re-draft it)."""
     g = torch.Generator()
-    g.manual_seed(_mix(seed, pos, stream))
+    g.manual_seed(_mix(seed, pos, stream, it))
     return g
 
 
-def exponential(seed: int, pos: int, n: int, stream: int = STREAM_TOKEN) -> torch.Tensor:
+def exponential(seed: int, pos: int, n: int, stream: int = STREAM_TOKEN, it: int = 0) -> torch.Tensor:
     """n iid Exp(1) draws; argmax(p / E) samples from p (the exponential race)."""
-    return torch.empty(n).exponential_(generator=generator(seed, pos, stream))
+    return torch.empty(n).exponential_(generator=generator(seed, pos, stream, it))
 
 
-def uniform(seed: int, pos: int, stream: int) -> float:
-    return float(torch.rand(1, generator=generator(seed, pos, stream)))
+def uniform(seed: int, pos: int, stream: int, it: int = 0) -> float:
+    return float(torch.rand(1, generator=generator(seed, pos, stream, it)))

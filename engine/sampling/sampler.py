@@ -27,14 +27,13 @@ class RowInfo:
     pos: int  # index of the output token this row produces (0 = first generated token)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # tokens generated before this row's token
+    suppress: Sequence[int] = ()  # token ids banned at this row (EOS/stop ids before min_new_tokens)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowInfo]) -> list[int]:
     """logits: [R, V] float32 raw; returns R token ids. `logits` is not modified."""
     params = [r.params for r in rows]
-    x = logits
-    if any(p.has_penalties for p in params):
-        x = apply_penalties(logits.clone(), params, [r.prompt_ids for r in rows], [r.output_ids for r in rows])
+    x = processed_logits(logits, rows)
     if all(p.greedy for p in params):
         return x.argmax(-1).tolist()
     probs = probs_from_logits(x, params)
@@ -46,6 +45,18 @@ def sample(logits: torch.Tensor, rows: Sequence[RowInfo]) -> list[int]:
             e = rng.exponential(r.seed, r.pos, probs.shape[1], rng.STREAM_TOKEN)
             out.append(int((probs[i] / e).argmax()))
     return out
+
+
+def processed_logits(logits: torch.Tensor, rows: Sequence[RowInfo]) -> torch.Tensor:
+    """Penalties and min-token suppression applied; returns `logits` itself when nothing applies."""
+    params = [r.params for r in rows]
+    x = logits
+    if any(p.has_penalties for p in params) or any(r.suppress for r in rows):
+        x = apply_penalties(logits.clone(), params, [r.prompt_ids for r in rows], [r.output_ids for r in rows])
+        for i, r in enumerate(rows):
+            if r.suppress:
+                x[i, list(r.suppress)] = float("-inf")
+    return x
 
 
 def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int | None]) -> list[TokenLogprob | None]:

@@ -1,0 +1,1 @@
+"""Multi-layer EAGLE (chain MTP): the draft stack, its checkpoints, acceptance and the worker."""
