@@ -148,7 +148,7 @@ class SpecWorker(TargetWorker):
 
     # --- decode iteration ----------------------------------------------------------------------
     def decode(self, reqs: list[Req]) -> list[StepResult]:
-        s, w, bs = self.steps, self.steps + 1, len(reqs)
+        w, bs = self.steps + 1, len(reqs)
         t0 = time.perf_counter()
         prefix = [r.kv_len for r in reqs]
         ids = [t for r in reqs for t in [r.output_ids[-1], *r.draft_state.drafts]]
