@@ -288,7 +288,10 @@ class Tokenizer:
 
         t = cls.from_gguf_fields(gguf_tokenizer_fields(gguf.GGUFReader(path, "r")))
         if use_cache:
-            t.save(d)
+            try:
+                t.save(d)
+            except OSError as e:  # read-only or full disk: still usable, just slow next time
+                print(f"mleagle: cannot write the tokenizer cache {d} ({e}); set MLEAGLE_CACHE_DIR", file=sys.stderr)
         return t
 
     @classmethod

@@ -131,15 +131,21 @@ def _dequantise(path: str, cache: Path) -> tuple[ModelArch, dict[str, torch.Tens
     t1 = time.perf_counter()
     from safetensors.torch import save_file
 
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".{WEIGHTS_FILE}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    save_file(w, str(tmp), metadata={"source": path})
-    os.replace(tmp, cache / WEIGHTS_FILE)  # atomic: readers see the old file or the whole new one
-    atomic_write(cache / ARCH_FILE, arch.model_dump_json(indent=1))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        save_file(w, str(tmp), metadata={"source": path})
+        os.replace(tmp, cache / WEIGHTS_FILE)  # atomic: readers see the old file or the whole new one
+        atomic_write(cache / ARCH_FILE, arch.model_dump_json(indent=1))
+    except OSError as e:  # read-only or full disk: run uncached (set MLEAGLE_CACHE_DIR to fix)
+        tmp.unlink(missing_ok=True)
+        print(f"mleagle: cannot write the weight cache {cache} ({e}); set MLEAGLE_CACHE_DIR", file=sys.stderr)
     try:
         Tokenizer.from_gguf_fields(gguf_tokenizer_fields(r)).save(cache)
     except ValueError as e:  # weights are still usable with a tokenizer from elsewhere
         print(f"mleagle: no tokenizer from {path}: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"mleagle: cannot write the tokenizer cache {cache} ({e})", file=sys.stderr)
     print(
         f"mleagle: dequantised {len(w)} tensors in {t1 - t0:.1f}s, cache written in {time.perf_counter() - t1:.1f}s",
         file=sys.stderr,
