@@ -33,6 +33,7 @@ from mleagle.engine.runner import ModelRunner
 from mleagle.engine.sampling.rng import _mix
 from mleagle.engine.sampling_params import SamplingParams
 from mleagle.engine.scheduler import Scheduler
+from mleagle.engine.telemetry import Telemetry
 from mleagle.engine.tokenizer import Tokenizer
 from mleagle.engine.worker import TargetWorker
 
@@ -111,7 +112,10 @@ class Engine:
                                    stop_cut=self._stop_cut)
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
-        self.events = None
+        self.events: Any = None  # an EventBus, installed by the engine process
+        self.telemetry = Telemetry(self)
+        for r in self.runners:
+            r.observer = self.telemetry.on_forward
 
     def _build_worker(self) -> TargetWorker:
         if self.cfg.engine.draft not in ("none", ""):
@@ -151,12 +155,17 @@ class Engine:
         if params.stop and self.tokenizer is not None:
             req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)
         self.scheduler.add(req)
+        self.telemetry.prompt_total += n
+        self.telemetry.on_add(rid, n)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
     def step(self) -> list[RequestOutput]:
-        return self.scheduler.step()
+        t0 = time.perf_counter()
+        outs = self.scheduler.step()
+        self.telemetry.on_step(outs, time.perf_counter() - t0)
+        return outs
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

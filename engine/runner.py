@@ -11,6 +11,7 @@ the speculative worker composes them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ class ModelRunner:
         self.model = model
         self.binding = StepBinding(name, kv_pool, req_to_token, backend)
         self.num_forwards = 0
+        # Called after every forward with (runner, batch, output): the engine's telemetry hook.
+        self.observer: Callable[[ModelRunner, ForwardBatch, ForwardOutput], None] | None = None
 
     def bind(self, batch: ForwardBatch) -> ForwardBatch:
         return dataclasses.replace(batch, binding=self.binding)
@@ -60,4 +63,7 @@ class ModelRunner:
         if logits.shape[0] != rows:
             raise AssertionError(f"{self.name}: {logits.shape[0]} logit rows, the rule says {rows}")
         self.num_forwards += 1
-        return ForwardOutput(logits, hidden)
+        res = ForwardOutput(logits, hidden)
+        if self.observer is not None:
+            self.observer(self, batch, res)
+        return res

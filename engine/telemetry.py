@@ -1,0 +1,130 @@
+"""Turns what the engine already knows on the host into state events, without adding device syncs.
+
+The engine process installs an `EventBus` as `engine.events`; until then (and in the offline API)
+every hook returns at once. Hooks: `on_forward` (every runner forward → logprob metadata: mode, bs,
+width, logit rows against the one row-count rule), `on_step` (the step's batch and any draft-extend
+batches, per-runner pool occupancy, acceptance, request lifecycle and per-token logprobs), `on_add`
+(queued). Everything read here is a Python int, a list length or a tensor shape.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from mleagle.engine import events as ev
+
+if TYPE_CHECKING:
+    from mleagle.engine.engine import Engine
+    from mleagle.engine.forward_batch import ForwardBatch
+    from mleagle.engine.outputs import RequestOutput
+    from mleagle.engine.runner import ForwardOutput, ModelRunner
+
+
+class Telemetry:
+    def __init__(self, engine: Engine):
+        self.e = engine
+        self.start = time.time()
+        self.running: set[str] = set()
+        self.prompt_total = self.gen_total = self.finished_total = 0
+        self.forwards: dict[str, int] = {}
+        self.last_status = 0.0
+        self._window: list[tuple[float, int, int]] = []
+
+    @property
+    def bus(self) -> Any:
+        return self.e.events
+
+    def on_add(self, rid: str, prompt_tokens: int) -> None:
+        if self.bus is not None:
+            self.bus.emit(ev.RequestEvent(rid=rid, state="queued", prompt_tokens=prompt_tokens))
+
+    def on_forward(self, runner: ModelRunner, batch: ForwardBatch, out: ForwardOutput) -> None:
+        self.forwards[runner.name] = self.forwards.get(runner.name, 0) + 1
+        if self.bus is None:
+            return
+        rows = int(out.logits.shape[0])
+        self.bus.emit(ev.LogprobMetaEvent.build(
+            runner=runner.name, mode=batch.mode.value, bs=batch.bs, width=batch.width, logit_rows=rows,
+            expected_rows=batch.expected_logit_rows, global_num_tokens=[batch.num_tokens],
+            global_num_tokens_for_logprob=[rows], step=self.e.scheduler.num_steps))
+
+    def on_step(self, outputs: list[RequestOutput], duration: float) -> None:
+        s = self.e.scheduler
+        new_tokens = sum(len(o.token_ids) for o in outputs)
+        self.gen_total += new_tokens
+        now = time.time()
+        if self.bus is None:
+            return
+        bus, step = self.bus, s.num_steps
+        w = self.e.worker
+        b = w.last_batch if s.last_mode != "IDLE" else None
+        if b is not None:
+            bus.emit(ev.BatchEvent(step=step, mode=b.mode.value, runner="target", rids=list(b.rids),
+                                   num_tokens_per_req=list(b.extend_lens), num_tokens=b.num_tokens, bs=b.bs,
+                                   padded_bs=b.bs, graph="eager", eager_reason=self.e.device.type,
+                                   duration_s=duration, num_running=len(s.running), num_waiting=len(s.waiting)))
+            for db in getattr(w, "step_batches", []) if b.mode.value == "TARGET_VERIFY" else []:
+                bus.emit(ev.BatchEvent(step=step, mode=db.mode.value, runner=db.binding.name if db.binding else "?",
+                                       rids=list(db.rids), num_tokens_per_req=list(db.extend_lens),
+                                       num_tokens=db.num_tokens, bs=db.bs, padded_bs=db.bs, graph="eager",
+                                       eager_reason=self.e.device.type))
+            last = getattr(w, "last", None)
+            if b.mode.value == "TARGET_VERIFY" and last is not None and last.bs:
+                depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
+                bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
+                                            accept_lens=[n + 1 for n in last.accepted], rids=list(b.rids),
+                                            draft_time_s=last.draft_s, verify_time_s=last.verify_s,
+                                            draft_time_per_layer_s=[last.draft_s / w.steps] * w.steps))
+        for u in self.e.pool_usage():
+            bus.emit(ev.PoolEvent(runner=u["runner"], kv_used=u["kv_used"], kv_total=u["kv_total"],
+                                  req_used=u["req_used"], req_total=u["req_total"],
+                                  page_size=self.e.allocator.page_size, step=step))
+        running = {r.rid for r in s.running}
+        for rid in running - self.running:
+            bus.emit(ev.RequestEvent(rid=rid, state="running"))
+        waiting = {r.rid for r in s.waiting}
+        for rid in (self.running - running) & waiting:
+            bus.emit(ev.RequestEvent(rid=rid, state="preempted"))
+        self.running = running
+        tok = self.e.tokenizer
+        for o in outputs:
+            toks = None
+            if o.logprobs:
+                toks = [ev.TokenEvent(token_id=lp.token_id, text=tok.decode([lp.token_id]) if tok else None,
+                                      logprob=lp.logprob,
+                                      top=[ev.TopToken(token_id=t, text=tok.decode([t]) if tok else None, logprob=v)
+                                           for t, v in lp.top])
+                        for lp in o.logprobs]
+            if o.finished:
+                self.finished_total += 1
+                state = "aborted" if o.finish_reason == "abort" else "finished"
+                bus.emit(ev.RequestEvent(rid=o.rid, state=state, finish_reason=o.finish_reason,
+                                         prompt_tokens=o.num_prompt_tokens, output_tokens=o.num_output_tokens,
+                                         tokens=toks, accept_len=o.spec.accept_len if o.spec else None, error=o.error))
+            elif toks:
+                bus.emit(ev.RequestEvent(rid=o.rid, state="running", prompt_tokens=o.num_prompt_tokens,
+                                         output_tokens=o.num_output_tokens, tokens=toks))
+        self._window.append((now, new_tokens, 0))
+        if now - self.last_status >= 1.0:
+            self.status(now)
+
+    def status(self, now: float | None = None) -> None:
+        if self.bus is None:
+            return
+        now = now or time.time()
+        self._window = [x for x in self._window if now - x[0] <= 5.0]
+        span = max(now - self._window[0][0], 1e-3) if self._window else 1.0
+        s, w = self.e.scheduler, self.e.worker
+        stats = getattr(w, "stats", None)
+        self.bus.emit(ev.EngineEvent(
+            model=self.e.model_name, draft=self.e.cfg.engine.draft, spec_steps=getattr(w, "steps", 0),
+            device=self.e.device.type, dtype=self.e.cfg.engine.dtype, uptime_s=now - self.start,
+            num_running=len(s.running), num_waiting=len(s.waiting), prompt_tokens_total=self.prompt_total,
+            gen_tokens_total=self.gen_total, requests_finished_total=self.finished_total,
+            gen_tokens_per_s=sum(x[1] for x in self._window) / span,
+            mean_accept_len=stats.accept_len if stats is not None and stats.num_verify else None,
+            steps_total=s.num_steps))
+        for r in self.e.runners:
+            self.bus.emit(ev.GraphEvent(runner=r.name, enabled=False, eager={self.e.device.type: self.forwards.get(r.name, 0)}))
+        self.last_status = now
