@@ -1,0 +1,25 @@
+# The two set-up commands of the README. Both install through scripts/install.sh (one source of truth).
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: serve test install lint bench
+
+install:
+	bash scripts/install.sh
+
+# Install and serve the embedded default (SmolLM2-135M-Instruct on the CPU) at 127.0.0.1:8000.
+serve:
+	bash scripts/install.sh
+	.venv/bin/mleagle serve --config smollm2-135m
+
+# Install runtime + test dependencies and run the whole suite (what CI runs).
+test:
+	bash scripts/install.sh test
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint:
+	$(PY) -m ruff check .
+
+bench:
+	.venv/bin/mleagle bench --out results/bench_cpu.json
