@@ -42,6 +42,7 @@ class Scheduler:
         self.last_mode: str = "IDLE"
         self.last_step_time = 0.0
         self.on_finish: Callable[[Req], None] | None = None
+        self.pending: list[RequestOutput] = []  # deltas produced outside the step's forward (errors)
 
     # --- requests in and out ---------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -89,6 +90,8 @@ class Scheduler:
                 results = list(zip(reqs, self.worker.decode(reqs)))
             else:
                 self.last_mode = "IDLE"
+        outputs += self.pending
+        self.pending = []
         for req, res in results:
             self._apply(req, res)
             if res.tokens or req.finished or res.prompt_logprobs:
@@ -148,8 +151,13 @@ class Scheduler:
                 return ready
             # Preempt the newest request (LIFO) and try again; the oldest always gets to finish.
             victim = max(self.running, key=lambda r: r.arrival)
-            if victim is ready[0] and len(self.running) == 1:
-                raise RuntimeError("KV pool cannot hold a single request; admission should have refused it")
+            if len(self.running) == 1:
+                # Admission refuses requests that cannot fit alone, so this is a bookkeeping failure:
+                # end this one request with an error rather than the engine.
+                victim.error = "KV pool exhausted for a single request"
+                self._finish(victim, "error")
+                self.pending.append(self._delta(victim))
+                continue
             self._preempt(victim)
 
     def _preempt(self, req: Req) -> None:
