@@ -11,6 +11,7 @@ API key, 404 unknown model or route, 413 body too large, 429 queue full (with `R
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +29,9 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable_error",
 }
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|tuple|none|function-.*|.*\[.*\].*|[a-z-]+\[.*)$")
 
 
 class APIError(Exception):
@@ -65,7 +69,8 @@ def from_validation(e: ValidationError) -> APIError:
     """The first schema violation, named by its dotted field path (what OpenAI puts in `param`)."""
     errs = e.errors(include_url=False)
     first = errs[0] if errs else {"loc": (), "msg": str(e)}
-    loc = [str(p) for p in first.get("loc", ())]
+    # Union members show up in the location ("prompt.str", "prompt.list[int].0"): keep the field path.
+    loc = [str(p) for p in first.get("loc", ()) if not _TYPE_TAG.match(str(p))]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""

@@ -69,9 +69,16 @@ class Metrics:
         )
         self._spec = SpecStats()
         self._layers = 0
+        self.engine_restarts.inc(0)
+        self.set_model(model_name)
 
     def set_model(self, name: str) -> None:
+        """Create the per-model series at zero, so a scrape lists every metric before any traffic."""
         self.model = name
+        for m in (self.prompt_tokens, self.gen_tokens, self.running, self.waiting, self.ttft, self.itl, self.e2e,
+                  self.req_prompt, self.req_gen, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
+                  self.spec_accept_len, self.spec_accept_rate, self.spec_draft_time, self.spec_verify_time):
+            m.labels(name)
 
     def observe_finished(self, reason: str, prompt_tokens: int, gen_tokens: int, e2e: float, spec: SpecStats | None) -> None:
         m = self.model

@@ -16,6 +16,9 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import resource
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -519,7 +522,9 @@ async def debug_engine(request: web.Request) -> web.Response:
     srv = request.app[SRV]
     c = srv.client
     body: dict[str, Any] = {"state": c.state, "pid": c.engine_pid, "restarts": c.restarts, "error": c.error,
-                            "inflight": c.num_inflight, "active_http": srv.active}
+                            "inflight": c.num_inflight, "active_http": srv.active,
+                            "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
+                                       "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}
     if c.state == "ready":
         try:
             p = await c.ping(timeout=5.0)

@@ -1,0 +1,114 @@
+"""Start a real `mleagle serve` subprocess on an ephemeral loopback port, for the daemon tests.
+
+`ServerProc` runs `python -m mleagle.cli serve --port 0 ...`, reads the port from the line the server
+prints, drains its output on a thread (kept for failure messages), and waits for `/health`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ServerProc:
+    def __init__(self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "mleagle.cli", "serve", "--port", "0", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.api_key = api_key
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.url = ""
+        got = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                if not self.url and line.startswith("mleagle: serving"):
+                    self.url = line.split(" on ")[1].split()[0]
+                    got.set()
+            got.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not got.wait(30) or not self.url:
+            self.kill()
+            raise RuntimeError("server did not start:\n" + self.log())
+        self.t_listen = time.monotonic()
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-80:])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, headers=self.headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            body, status = e.read(), e.code
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode()
+
+    def wait_healthy(self, timeout: float = 60.0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if self.get("/health", timeout=2)[0] == 200:
+                    return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server not healthy in time:\n" + self.log())
+
+    def engine(self) -> dict[str, Any]:
+        return self.get("/debug/engine")[1]
+
+    def wait_pools_free(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Poll until the engine holds no request and every pool of every runner is free."""
+        t0 = time.monotonic()
+        d: dict[str, Any] = {}
+        while time.monotonic() - t0 < timeout:
+            d = self.engine()
+            pools = d.get("pool_usage") or []
+            if d.get("state") == "ready" and d.get("num_requests") == 0 and d.get("inflight") == 0 and pools and all(
+                p["kv_used"] == 0 and p["req_used"] == 0 for p in pools
+            ):
+                return d
+            time.sleep(0.2)
+        raise AssertionError(f"pools not free: {d}")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
