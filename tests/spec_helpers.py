@@ -1,0 +1,265 @@
+"""Shared pieces of the speculative-decoding tests: small built models, the acceptance oracle, spies.
+
+`tiny_engine` builds an engine over a random-weight Llama of any shape (made "chaotic" so greedy
+outputs depend on the context instead of repeating a token). `oracle_engine` builds the DESIGN §3
+oracle: a one-layer target whose next token is g(t) for a fixed permutation g, and draft layers that
+predict g(input token) exactly while reading their own KV pool — layer k's values are the basis
+vector e_k and its o_proj zeroes exactly that direction, so its own pool contributes exactly 0 to the
+residual and any other runner's pool (entries e_j, j != k) corrupts it. `BindingSpy` records which
+pool and backend every runner's forward touched; `binding_ok` and `pools_touched_ok` are the checks
+the seed-bug test expects to fail under fault injection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from mleagle.engine.config import EngineConfig, MleagleConfig, ModelArch, ModelSource
+from mleagle.engine.engine import Engine
+from mleagle.engine.runner import ModelRunner
+from mleagle.engine.sampling_params import SamplingParams
+
+
+def tiny_cfg(name: str = "t", *, vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4, kv: int = 2,
+             inter: int = 128, tie: bool = False, bias: bool = False, eps: float = 1e-5, seed: int = 0,
+             tokenizer: str | None = None) -> MleagleConfig:
+    arch = ModelArch(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+                     tie_word_embeddings=tie, attention_bias=bias, rms_norm_eps=eps)
+    src = ModelSource(name=name, load_format="dummy", arch=arch, dummy_seed=seed, tokenizer=tokenizer)
+    return MleagleConfig(model=src, engine=EngineConfig(max_total_tokens=2048, max_context_len=256))
+
+
+def chaos(e: Engine, qk: float = 8.0, head: float = 25.0) -> None:
+    """Sharpen attention and the head of a random model so each token depends on the context."""
+    with torch.no_grad():
+        for layer in e.model.layers:
+            a = layer.self_attn
+            n = (a.hq + a.hk) * a.d
+            a.qkv_proj.weight[:n] *= qk
+        e.model.lm_head.weight *= head
+
+
+def tiny_engine(draft: str = "none", *, cfg: MleagleConfig | None = None, chaotic: bool = True,
+                **over: Any) -> Engine:
+    e = Engine(cfg or tiny_cfg(), draft=draft, **over)
+    if chaotic:
+        chaos(e)
+    return e
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+def run(e: Engine, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+    return [c.token_ids for c in e.generate(list(prompts), params)]
+
+
+# --- the acceptance oracle ---------------------------------------------------------------------------
+@dataclass
+class Oracle:
+    perm: torch.Tensor  # g: the target's next token is perm[t]
+    emb: torch.Tensor  # [V, H] ±1 rows (RMS exactly 1)
+
+
+def oracle_cfg(vocab: int = 64, hidden: int = 64, tokenizer: str | None = None) -> MleagleConfig:
+    # No GQA (4 q heads, 4 kv heads of 16) so the attention output equals the value vector exactly.
+    return tiny_cfg("oracle", vocab=vocab, hidden=hidden, layers=1, heads=4, kv=4, inter=32, tie=False, bias=True,
+                    eps=1e-6, tokenizer=tokenizer)
+
+
+def make_oracle(vocab: int, hidden: int, seed: int = 0, cycle: int = 0) -> Oracle:
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randint(0, 2, (vocab, hidden), generator=g).float() * 2 - 1
+    if cycle:  # a permutation made of short cycles (penalty tests want repeats)
+        order = torch.randperm(vocab, generator=g)
+        perm = torch.empty(vocab, dtype=torch.int64)
+        for s in range(0, vocab, cycle):
+            c = order[s : s + cycle]
+            perm[c] = torch.roll(c, -1)
+    else:
+        perm = torch.randperm(vocab, generator=g)
+    return Oracle(perm, emb)
+
+
+def set_oracle_target(e: Engine, o: Oracle, head_scale: float = 1.0, noise: float = 0.0, seed: int = 1) -> None:
+    """One layer: hidden = emb(t) (+ a context-dependent term when noise > 0); head row s = emb(g⁻¹(s))."""
+    m = e.model
+    a = m.layers[0].self_attn
+    h, kvd = m.arch.hidden_size, a.hk * a.d
+    inv = torch.argsort(o.perm)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(o.emb)
+        m.lm_head.weight.copy_(o.emb[inv] * head_scale)
+        m.norm.weight.fill_(1.0)
+        blk = m.layers[0]
+        blk.input_layernorm.weight.fill_(1.0)
+        blk.post_attention_layernorm.weight.fill_(1.0)
+        a.qkv_proj.weight.zero_()
+        a.qkv_proj.bias.zero_()
+        c = torch.zeros(kvd)
+        c[-1] = 1.0  # c_T
+        a.qkv_proj.bias[-kvd:] = c
+        r = torch.randn(h, kvd, generator=g) * 100.0
+        r[:, -1] = 0.0  # the column that reads c_T
+        if noise:
+            # Context-dependent values and a modest o_proj: the target then sometimes leaves g.
+            a.qkv_proj.weight[-kvd:] = torch.randn(kvd, h, generator=g)
+            r = r / 100.0 * noise
+        else:
+            r[:] = 0.0
+        a.o_proj.weight.copy_(r)
+        blk.mlp.gate_up_proj.weight.zero_()
+        blk.mlp.down_proj.weight.zero_()
+
+
+def oracle_layer_weights(e: Engine, k: int, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Draft layer k: eh_proj = [I | 0], values = e_k, o_proj = R·(I − e_k e_kᵀ) with a large random R."""
+    arch = e.arch
+    h = arch.hidden_size
+    d = arch.head_dim
+    assert d is not None
+    hq, hk = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    g = torch.Generator().manual_seed(seed * 100 + k)
+    ek = torch.zeros(hk)
+    ek[k] = 1.0
+    r = torch.randn(h, hq, generator=g) * 100.0
+    r[:, k] = 0.0
+    z = torch.zeros
+    return {"enorm.weight": torch.ones(h), "hnorm.weight": torch.ones(h), "norm.weight": torch.ones(h),
+            "eh_proj.weight": torch.cat([torch.eye(h), z(h, h)], dim=1),
+            "block.input_layernorm.weight": torch.ones(h), "block.post_attention_layernorm.weight": torch.ones(h),
+            "block.self_attn.q_proj.weight": z(hq, h), "block.self_attn.k_proj.weight": z(hk, h),
+            "block.self_attn.v_proj.weight": z(hk, h), "block.self_attn.o_proj.weight": r,
+            "block.self_attn.q_proj.bias": z(hq), "block.self_attn.k_proj.bias": z(hk), "block.self_attn.v_proj.bias": ek,
+            "block.mlp.gate_proj.weight": z(arch.intermediate_size, h), "block.mlp.up_proj.weight": z(arch.intermediate_size, h),
+            "block.mlp.down_proj.weight": z(h, arch.intermediate_size)}
+
+
+def set_oracle_draft(e: Engine, draft_noise: float = 0.0) -> None:
+    from mleagle.engine.spec.checkpoint import load_layer
+
+    for k, m in enumerate(e.draft_stack.layers):
+        w = oracle_layer_weights(e, k)
+        if draft_noise:
+            g = torch.Generator().manual_seed(99 + k)
+            w["eh_proj.weight"] = w["eh_proj.weight"] + draft_noise * torch.randn(w["eh_proj.weight"].shape, generator=g)
+        load_layer(m, w)
+
+
+def oracle_engine(draft: str = "none", *, o: Oracle | None = None, vocab: int = 64, head_scale: float = 1.0,
+                  noise: float = 0.0, draft_noise: float = 0.0, tokenizer: str | None = None, **over: Any) -> Engine:
+    """The oracle target (draft 'none') or the oracle target with an oracle draft (draft 'random:S...')."""
+    cfg = oracle_cfg(vocab, tokenizer=tokenizer)
+    e = Engine(cfg, draft=draft, **over)
+    o = o or make_oracle(vocab, cfg.model.arch.hidden_size)  # type: ignore[union-attr]
+    set_oracle_target(e, o, head_scale, noise)
+    if draft != "none" and not draft.startswith("/"):
+        set_oracle_draft(e, draft_noise)
+    return e
+
+
+# --- spies and checks ----------------------------------------------------------------------------------
+@dataclass
+class Touch:
+    runner: str  # the runner whose forward was running
+    kind: str  # "write" | "plan" | "attend"
+    pool: str  # the pool (or the backend's pool) touched
+    layer: int
+    mode: str  # the batch's forward mode
+
+
+@dataclass
+class BindingSpy:
+    """Wraps every runner's forward, every pool's write and every backend's plan/_attend (per instance)."""
+
+    runners: list[ModelRunner]
+    touches: list[Touch] = field(default_factory=list)
+    _cur: list[tuple[str, str]] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+
+    def __enter__(self) -> BindingSpy:
+        seen: set[int] = set()
+        for r in self.runners:
+            self._wrap(r, "forward", self._fwd(r))
+            for obj, meth, kind in ((r.binding.kv_pool, "write", "write"), (r.binding.backend, "plan", "plan"),
+                                    (r.binding.backend, "_attend", "attend")):
+                if id(obj) in seen and meth == "write":
+                    continue
+                self._wrap(obj, meth, self._rec(obj, meth, kind))
+            seen.add(id(r.binding.kv_pool))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for u in reversed(self._undo):
+            u()
+        self._undo.clear()
+
+    def _wrap(self, obj: object, name: str, fn: Callable[..., Any]) -> None:
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        setattr(obj, name, fn)
+        self._undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
+
+    def _fwd(self, r: ModelRunner) -> Callable[..., Any]:
+        orig = r.forward
+
+        def forward(batch: Any) -> Any:
+            self._cur.append((r.name, batch.mode.value))
+            try:
+                return orig(batch)
+            finally:
+                self._cur.pop()
+        return forward
+
+    def _rec(self, obj: Any, meth: str, kind: str) -> Callable[..., Any]:
+        orig = getattr(obj, meth)
+        pool = obj.kv_pool.name if hasattr(obj, "kv_pool") else obj.name
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            cur, mode = self._cur[-1] if self._cur else ("<none>", "?")
+            layer = args[0] if kind in ("write", "attend") else -1
+            self.touches.append(Touch(cur, kind, pool, int(layer), mode))
+            return orig(*args, **kw)
+        return spy
+
+
+def binding_ok(spy: BindingSpy, draft_names: Sequence[str], modes: Sequence[str]) -> bool:
+    """Every write, plan and read happened on the running runner's own pool/backend, and every draft
+    runner did write, plan and read its pool in each of `modes` (so the check is not vacuous)."""
+    if not spy.touches:
+        return False
+    if any(t.runner != t.pool for t in spy.touches):
+        return False
+    for name in draft_names:
+        for mode in modes:
+            kinds = {t.kind for t in spy.touches if t.runner == name and t.mode == mode and t.pool == name}
+            if kinds != {"write", "plan", "attend"}:
+                return False
+    return True
+
+
+def snapshot(e: Engine) -> dict[str, list[torch.Tensor]]:
+    return {r.name: [t.clone() for t in r.binding.kv_pool.k] for r in e.runners}
+
+
+def pools_touched_ok(before: dict[str, list[torch.Tensor]], e: Engine, slots: torch.Tensor) -> bool:
+    """After one decode iteration every runner's pool changed, and only at the iteration's slots."""
+    allowed = set(slots.tolist())
+    for r in e.runners:
+        for old, new in zip(before[r.name], r.binding.kv_pool.k):
+            changed = set((old != new).flatten(1).any(1).nonzero().flatten().tolist())
+            if not changed or not changed <= allowed:
+                return False
+    return True
+
+
+def all_free(e: Engine) -> bool:
+    a, m = e.allocator, e.mem
+    return (a.num_free_tokens == a.capacity_tokens and len(m.free_reqs) == m.max_reqs
+            and not e.scheduler.reqs and not e.scheduler.running and not e.scheduler.waiting)
