@@ -1,0 +1,155 @@
+"""Daemon lifecycle on the tiny random-weight model (token-id prompts, fast): SIGTERM drains requests in
+flight and exits 0; a killed engine fails its requests with a clear error, `/health` says so and the
+engine comes back (or the server exits 1 with restarts off); the queue limit answers 429 with
+Retry-After; an engine that cannot start makes `mleagle serve` exit non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.daemon_helpers import ServerProc
+
+TINY = ("--config", "tiny-dummy")
+
+
+async def gen_stream(s: aiohttp.ClientSession, url: str, n: int, first: asyncio.Event | None = None) -> dict:
+    """A streamed native request; returns the token count, the final meta and any error event."""
+    body = {"input_ids": [1, 2, 3, 4], "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    out: dict = {"tokens": 0, "meta": None, "error": None, "done": False}
+    async with s.post(url + "/generate", json=body) as r:
+        out["status"] = r.status
+        if r.status != 200:
+            out["error"] = (await r.json())["error"]
+            return out
+        async for line in r.content:
+            line = line.strip()
+            if line == b"data: [DONE]":
+                out["done"] = True
+            elif line.startswith(b"data: "):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+                    continue
+                out["tokens"] += len(ev["token_ids"])
+                if first is not None and out["tokens"]:
+                    first.set()
+                if ev["finished"]:
+                    out["meta"] = ev["meta_info"]
+    return out
+
+
+async def test_sigterm_drains_in_flight_then_exits_0():
+    srv = ServerProc(*TINY, "--shutdown-timeout", "60")
+    try:
+        srv.wait_healthy(60)
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.Event()
+            jobs = [asyncio.create_task(gen_stream(s, srv.url, 200, first)) for _ in range(4)]
+            await asyncio.wait_for(first.wait(), 30)
+            srv.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
+                async with aiohttp.ClientSession() as s2, s2.get(srv.url + "/health") as r:
+                    await r.read()
+            res = await asyncio.gather(*jobs)
+        for r in res:
+            assert r["error"] is None and r["done"], r
+            assert r["tokens"] == 200 and r["meta"]["finish_reason"] == "length"
+        assert srv.proc.wait(30) == 0, srv.log()
+    finally:
+        srv.kill()
+
+
+async def test_engine_death_fails_requests_then_recovers():
+    srv = ServerProc(*TINY)
+    try:
+        srv.wait_healthy(60)
+        pid = srv.engine()["pid"]
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.Event()
+            streams = [asyncio.create_task(gen_stream(s, srv.url, 1000, first)) for _ in range(3)]
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+            plain = asyncio.create_task(s.post(srv.url + "/generate", json=body))
+            await asyncio.wait_for(first.wait(), 30)
+            await asyncio.sleep(0.3)
+            os.kill(pid, signal.SIGKILL)
+            res = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            r = await asyncio.wait_for(plain, 30)
+            assert r.status == 503
+            err = (await r.json())["error"]
+            assert err["code"] == "engine_dead" and "engine" in err["message"]
+        for x in res:
+            assert x["error"] is not None and "engine" in x["error"]["message"] and x["done"], x
+        seen_down = False
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            st, body = srv.get("/health")
+            if st == 503:
+                seen_down = True
+                assert body["status"] in ("dead", "starting")
+            elif seen_down:
+                break
+            time.sleep(0.05)
+        assert seen_down
+        srv.wait_healthy(60)
+        d = srv.engine()
+        assert d["restarts"] == 1 and d["pid"] != pid
+        async with aiohttp.ClientSession() as s:
+            ok = await gen_stream(s, srv.url, 5)
+        assert ok["tokens"] == 5 and ok["meta"]["finish_reason"] == "length"
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+
+
+async def test_engine_death_without_restart_exits_1():
+    srv = ServerProc(*TINY, "--no-restart-engine")
+    try:
+        srv.wait_healthy(60)
+        os.kill(srv.engine()["pid"], signal.SIGKILL)
+        assert srv.proc.wait(30) == 1, srv.log()
+    finally:
+        srv.kill()
+
+
+async def test_queue_limit_429_with_retry_after():
+    srv = ServerProc(*TINY, "--max-running-requests", "2", "--max-queued-requests", "2")
+    try:
+        srv.wait_healthy(60)
+        body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> tuple[int, dict, str | None]:
+                async with s.post(srv.url + "/v1/completions", json=body) as r:
+                    return r.status, await r.json(), r.headers.get("Retry-After")
+
+            res = await asyncio.gather(*(one() for _ in range(10)))
+        ok = [r for r in res if r[0] == 200]
+        busy = [r for r in res if r[0] == 429]
+        assert len(ok) == 4 and len(busy) == 6, [r[0] for r in res]
+        for _, b, retry in busy:
+            assert retry == "1" and b["error"]["code"] == "queue_full" and b["error"]["type"] == "rate_limit_error"
+        assert all(b["usage"]["completion_tokens"] == 400 for _, b, _ in ok)
+        srv.wait_pools_free()
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+
+
+def test_engine_that_cannot_start_exits_nonzero(tmp_path):
+    cfg = tmp_path / "broken.toml"
+    cfg.write_text('[model]\nname = "broken"\npath = "/nonexistent/model.gguf"\nload_format = "gguf"\n')
+    srv = ServerProc("--config", str(cfg))
+    try:
+        assert srv.proc.wait(60) == 1
+        assert "engine failed to start" in srv.log()
+    finally:
+        srv.kill()
