@@ -46,7 +46,11 @@ def layer_state(stack: DraftStack, k: int) -> dict[str, torch.Tensor]:
     hq, hk, d = b.self_attn.hq, b.self_attn.hk, b.self_attn.d
     q, kk, v = b.self_attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
     g, u = b.mlp.gate_up_proj.weight.chunk(2)
-    return {
+    st: dict[str, torch.Tensor] = {}
+    if b.self_attn.qkv_proj.bias is not None:  # Qwen2-style q/k/v biases: part of the layer, saved with it
+        qb, kb, vb = b.self_attn.qkv_proj.bias.split([hq * d, hk * d, hk * d])
+        st = {"block.self_attn.q_proj.bias": qb, "block.self_attn.k_proj.bias": kb, "block.self_attn.v_proj.bias": vb}
+    return st | {
         "enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj.weight,
         "norm.weight": m.norm.weight,
         "block.input_layernorm.weight": b.input_layernorm.weight,
