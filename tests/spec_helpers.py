@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from mleagle.engine.config import EngineConfig, MleagleConfig, ModelArch, ModelSource
 from mleagle.engine.engine import Engine
+from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.runner import ModelRunner
 from mleagle.engine.sampling_params import SamplingParams
 
@@ -184,15 +185,13 @@ class BindingSpy:
     _undo: list[Callable[[], None]] = field(default_factory=list)
 
     def __enter__(self) -> BindingSpy:
-        seen: set[int] = set()
+        seen: set[tuple[int, str]] = set()
         for r in self.runners:
             self._wrap(r, "forward", self._fwd(r))
-            for obj, meth, kind in ((r.binding.kv_pool, "write", "write"), (r.binding.backend, "plan", "plan"),
-                                    (r.binding.backend, "_attend", "attend")):
-                if id(obj) in seen and meth == "write":
-                    continue
-                self._wrap(obj, meth, self._rec(obj, meth, kind))
-            seen.add(id(r.binding.kv_pool))
+            for obj, meth in ((r.binding.kv_pool, "write"), (r.binding.backend, "plan"), (r.binding.backend, "_attend")):
+                if (id(obj), meth) not in seen:  # a pool shared by mistake is wrapped once
+                    seen.add((id(obj), meth))
+                    self._wrap(obj, meth, self._rec(obj, meth, meth.strip("_")))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -223,7 +222,7 @@ class BindingSpy:
 
         def spy(*args: Any, **kw: Any) -> Any:
             cur, mode = self._cur[-1] if self._cur else ("<none>", "?")
-            layer = args[0] if kind in ("write", "attend") else -1
+            layer = args[0] if kind != "plan" else -1
             self.touches.append(Touch(cur, kind, pool, int(layer), mode))
             return orig(*args, **kw)
         return spy
@@ -244,15 +243,16 @@ def binding_ok(spy: BindingSpy, draft_names: Sequence[str], modes: Sequence[str]
     return True
 
 
-def snapshot(e: Engine) -> dict[str, list[torch.Tensor]]:
-    return {r.name: [t.clone() for t in r.binding.kv_pool.k] for r in e.runners}
+def snapshot(pools: Sequence[KVPool]) -> list[list[torch.Tensor]]:
+    return [[t.clone() for t in p.v] for p in pools]
 
 
-def pools_touched_ok(before: dict[str, list[torch.Tensor]], e: Engine, slots: torch.Tensor) -> bool:
-    """After one decode iteration every runner's pool changed, and only at the iteration's slots."""
+def pools_touched_ok(before: list[list[torch.Tensor]], pools: Sequence[KVPool], slots: torch.Tensor) -> bool:
+    """After one decode iteration every pool changed, and only at the iteration's slots. Pass the
+    pools each runner was built with (not `runner.binding`, which a fault injection may rebind)."""
     allowed = set(slots.tolist())
-    for r in e.runners:
-        for old, new in zip(before[r.name], r.binding.kv_pool.k):
+    for old_p, p in zip(before, pools):
+        for old, new in zip(old_p, p.v):
             changed = set((old != new).flatten(1).any(1).nonzero().flatten().tolist())
             if not changed or not changed <= allowed:
                 return False

@@ -1,0 +1,181 @@
+"""Explicit binding of draft steps, the acceptance oracle, and the seed bug (issue 3, DESIGN §3).
+
+Spies on every runner's forward, every KV pool's writes and every backend's plan/attend show that
+draft step k touches only runner k's pool and backend, in eager prefill and eager decode; the
+per-step batch views share positions, slots, sequence lengths and request indices; runners and
+backends refuse batches that are not theirs. The oracle (constructed target + draft whose layers read
+their own KV) reaches acceptance 1.0 at every depth. Re-introducing SGLang's bug — every step bound
+to runner 0's pool and backend — makes the binding check, the pool-diff check and the oracle fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from mleagle.engine.attention.base import BindingError
+from mleagle.engine.engine import Engine
+from mleagle.engine.forward_batch import ForwardMode
+from mleagle.engine.spec.checkpoint import save_draft
+
+from tests.spec_helpers import BindingSpy, binding_ok, greedy, oracle_engine, pools_touched_ok, snapshot
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], list(range(20, 33)), [40]]
+MODES = ["EXTEND", "DRAFT_EXTEND"]
+
+
+def _names(e: Engine) -> list[str]:
+    return [r.name for r in e.worker.drafts]
+
+
+def _oracle_full(e: Engine) -> bool:
+    st = e.worker.stats
+    return st.num_verify > 0 and st.accepted_per_depth == [st.num_verify] * e.worker.steps
+
+
+def _inject_seed_bug(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's eager draft-extend bug: steps k >= 1 run layer k's weights against runner 0's KV pool,
+    request map and attention backend."""
+    d0 = e.worker.drafts[0]
+    for r in e.worker.drafts[1:]:
+        monkeypatch.setattr(r, "binding", d0.binding)
+
+
+def _step_until_decode(e: Engine) -> None:
+    while e.has_work():
+        e.step()
+        if e.scheduler.last_mode == "DECODE":
+            return
+    raise AssertionError("no decode step happened")
+
+
+# --- the oracle --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("s", "chunk"), [(1, 0), (2, 5), (3, 0), (4, 5), (4, 0)])
+def test_oracle_acceptance_is_one_at_every_depth(s: int, chunk: int) -> None:
+    e = oracle_engine(f"random:{s}", chunked_prefill_size=chunk)
+    out = e.generate(PROMPTS, greedy(3 * (s + 1) + 1))
+    assert _oracle_full(e)
+    for c in out:
+        assert c.spec is not None and c.spec.accepted_per_depth == [c.spec.num_verify] * s
+        assert c.spec.accept_len == s + 1
+    assert e.worker.boundary_kv_stale_positions >= 0
+
+
+def test_oracle_draft_checkpoint_roundtrip(tmp_path: object) -> None:
+    """The oracle draft saved in mleagle's own format and loaded by path keeps acceptance 1.0."""
+    e = oracle_engine("random:3")
+    save_draft(e.draft_stack, str(tmp_path))
+    e2 = oracle_engine(str(tmp_path))
+    e2.generate(PROMPTS, greedy(9))
+    assert _oracle_full(e2)
+
+
+# --- binding ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("draft", ["random:3", "random:4:0:nochain", "random:1"])
+def test_each_step_touches_only_its_runner(draft: str) -> None:
+    e = oracle_engine(draft, chunked_prefill_size=5)
+    with BindingSpy(e.runners) as spy:
+        e.generate(PROMPTS, greedy(9))
+    assert binding_ok(spy, _names(e), MODES)
+    # The target wrote and read only its own pool, every layer of it, in prefill and verify.
+    tgt = [t for t in spy.touches if t.runner == "target"]
+    assert {t.mode for t in tgt} == {"EXTEND", "TARGET_VERIFY"} and all(t.pool == "target" for t in tgt)
+    # Step k's forwards ran in order 0..S-1 within each draft pass.
+    order = [t.runner for t in spy.touches if t.kind == "plan" and t.runner != "target"]
+    names = _names(e)
+    assert order == names * (len(order) // len(names))
+
+
+def test_pools_distinct_and_same_slot_space() -> None:
+    e = oracle_engine("random:3")
+    pools = [r.binding.kv_pool for r in e.runners]
+    maps = [r.binding.req_to_token for r in e.runners]
+    backends = [r.binding.backend for r in e.runners]
+    for xs in (pools, maps, backends):
+        assert len({id(x) for x in xs}) == len(xs)
+    assert {p.num_slots for p in pools} == {e.target.binding.kv_pool.num_slots}
+    assert all(m.req_to_token.shape == maps[0].req_to_token.shape for m in maps)
+    e.generate(PROMPTS[:2], greedy(5))
+    assert all(m.req_to_token.data_ptr() != maps[0].req_to_token.data_ptr() for m in maps[1:])
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_step_views_share_everything_but_ids_and_hidden(chain: bool) -> None:
+    e = oracle_engine(f"random:3:0:{'chain' if chain else 'nochain'}", noise=0.12)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(f"r{i}", p, greedy(12))
+    e.step()  # prefill: every draft runner over the whole prompt
+    pre = list(e.worker.step_batches)
+    _step_until_decode(e)
+    dec = list(e.worker.step_batches)
+    for views, mode in ((pre, ForwardMode.EXTEND), (dec, ForwardMode.DRAFT_EXTEND)):
+        assert len(views) == 3 and all(b.mode is mode for b in views)
+        b0 = views[0]
+        for b in views[1:]:
+            for f in ("positions", "out_cache_loc", "seq_lens", "req_pool_indices", "logit_rows"):
+                assert getattr(b, f) is getattr(b0, f), f
+            assert b.extend_lens == b0.extend_lens and b.prefix_lens == b0.prefix_lens
+        assert [b.binding for b in views] == [r.binding for r in e.worker.drafts]
+        hid = [id(b.hidden_in) for b in views]
+        assert (len(set(hid)) == 3) if chain else (len(set(hid)) == 1)
+    # Decode rotation: step k+1's ids are step k's shifted left by one, except at each request's last
+    # accepted row, which holds step k's new draft.
+    sel = set(dec[0].logit_rows.tolist())
+    for a, b in itertools.pairwise(dec):
+        x, y = a.input_ids.tolist(), b.input_ids.tolist()
+        assert all(y[i] == x[i + 1] for i in range(len(x) - 1) if i not in sel)
+        assert x != y
+
+
+def test_runners_and_backends_refuse_foreign_batches() -> None:
+    e = oracle_engine("random:3")
+    for i, p in enumerate(PROMPTS[:2]):
+        e.add_request(f"r{i}", p, greedy(12))
+    _step_until_decode(e)
+    views = e.worker.step_batches
+    d = e.worker.drafts
+    with pytest.raises(BindingError):
+        d[1].forward(views[0])
+    with pytest.raises(BindingError):
+        e.target.forward(views[2])
+    with pytest.raises(BindingError):
+        d[2].binding.backend.plan(views[0])
+    # A backend refuses to run a batch it did not plan (here: planned views[1], then asked for views[2]).
+    be = d[1].binding.backend
+    be.plan(views[1])
+    h = e.arch.head_dim
+    q = torch.zeros(views[1].num_tokens, e.arch.num_attention_heads, h)
+    kv = torch.zeros(views[1].num_tokens, e.arch.num_key_value_heads, h)
+    with pytest.raises(BindingError):
+        be.forward(0, q, kv, kv, views[2])
+
+
+# --- the seed bug ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("inject", [False, True])
+@pytest.mark.parametrize("s", [2, 3])
+def test_seed_bug_is_caught(s: int, inject: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = oracle_engine(f"random:{s}", chunked_prefill_size=5)
+    if inject:
+        _inject_seed_bug(e, monkeypatch)
+    with BindingSpy(e.runners) as spy:
+        e.generate(PROMPTS, greedy(12))
+    ok_bind = binding_ok(spy, _names(e), MODES)
+    st = e.worker.stats
+    ok_oracle = _oracle_full(e)
+    # One more decode iteration under a pool diff: every runner's pool changed, only at the step's slots.
+    e2 = oracle_engine(f"random:{s}")
+    pools = [r.binding.kv_pool for r in e2.runners]
+    if inject:
+        _inject_seed_bug(e2, monkeypatch)
+    for i, p in enumerate(PROMPTS):
+        e2.add_request(f"r{i}", p, greedy(12))
+    _step_until_decode(e2)
+    before = snapshot(pools)
+    _step_until_decode(e2)
+    ok_pools = pools_touched_ok(before, pools, e2.worker.step_batches[0].out_cache_loc)
+    if inject:
+        assert not ok_bind and not ok_pools and not ok_oracle
+        assert min(st.accepted_per_depth[1:]) < st.num_verify  # lost acceptance at depth >= 1
+    else:
+        assert ok_bind and ok_pools and ok_oracle
