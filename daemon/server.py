@@ -528,7 +528,8 @@ async def debug_engine(request: web.Request) -> web.Response:
     if c.state == "ready":
         try:
             p = await c.ping(timeout=5.0)
-            body.update(num_requests=p.num_requests, pool_usage=p.pool_usage, stats=p.stats)
+            body.update(num_requests=p.num_requests, pool_usage=p.pool_usage, stats=p.stats,
+                        engine_max_rss_mb=p.max_rss_mb)
         except (EngineUnavailable, asyncio.TimeoutError) as e:
             body["ping_error"] = str(e) or type(e).__name__
     return web.json_response(body)

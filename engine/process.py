@@ -17,6 +17,7 @@ import ctypes
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -126,7 +127,8 @@ class EngineLoop:
                 stats = _jsonable(self.engine.stats())
             except Exception:
                 log.error("stats failed:\n%s", traceback.format_exc())
-        return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats, max_rss_mb=rss)
 
     def step(self) -> int | None:
         """One scheduler step; returns an exit code when the engine is beyond saving."""

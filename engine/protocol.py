@@ -92,6 +92,7 @@ class Pong(_Msg):
     num_requests: int = 0
     pool_usage: list[dict[str, Any]] = Field(default_factory=list)
     stats: dict[str, Any] = Field(default_factory=dict)
+    max_rss_mb: float | None = None  # the engine process's peak resident memory
 
 
 class Fatal(_Msg):

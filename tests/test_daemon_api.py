@@ -79,7 +79,7 @@ def test_logprobs(oai):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert v <= 0 and 1 <= len(top) <= 3
         assert max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the chosen token is the best
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

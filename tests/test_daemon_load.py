@@ -106,5 +106,5 @@ async def test_random_disconnects_free_every_slot(srv):
     async with aiohttp.ClientSession() as s:
         r = await full(s, srv.url, 1)
         assert r["choices"][0]["finish_reason"] in ("length", "stop")
-    st, m = srv.get("/metrics")
+    _st, m = srv.get("/metrics")
     assert 'mleagle:kv_pool_used_tokens{runner="target"} 0.0' in m

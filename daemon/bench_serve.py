@@ -1,0 +1,245 @@
+"""`mleagle bench serve`: an online load generator against a running server (`bench_serve_main(argv)`).
+
+It sends prompts from a dataset (`mt_bench`, `gsm8k`, `alpaca`, or any JSONL whose rows carry
+`turns`; the first turn is the prompt) to `/v1/chat/completions` (or `/v1/completions`) with streaming
+on, either at a Poisson request rate (`--rate`) or at a fixed concurrency (`--concurrency`), or both,
+and measures per request the time to first token, the inter-token latencies (per streamed chunk, as
+vLLM's benchmark does: with speculation one chunk can carry several tokens) and the end-to-end latency.
+It prints a table of mean/p50/p90/p99 and throughput and writes the same as JSON (`--output`), with the
+command line, the server's model, and the daemon's and engine's peak memory from `/debug/engine`.
+Data comes from `--data-dir`, else `$MLEAGLE_DATA_DIR`, else `../shared/data` next to the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def data_dir(arg: str | None) -> Path:
+    return Path(arg or os.environ.get("MLEAGLE_DATA_DIR") or REPO.parent / "shared" / "data")
+
+
+def load_prompts(dataset: str, ddir: Path, n: int, seed: int) -> list[str]:
+    path = Path(dataset) if dataset.endswith(".jsonl") else ddir / DATASETS.get(dataset, f"{dataset}.jsonl")
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {dataset!r}: no file {path} (set --data-dir or MLEAGLE_DATA_DIR)")
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            t = json.loads(line).get("turns") or []
+            if t and isinstance(t[0], str) and t[0].strip():
+                rows.append(t[0])
+    if not rows:
+        raise ValueError(f"{path}: no rows with a non-empty first turn")
+    random.Random(seed).shuffle(rows)
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunks: int = 0
+
+
+async def one(s: aiohttp.ClientSession, args: argparse.Namespace, model: str, p: str) -> Result:
+    chat = args.endpoint == "chat"
+    body: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    if chat:
+        body["messages"] = [{"role": "user", "content": p}]
+    else:
+        body["prompt"] = p
+    url = args.url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
+    r = Result()
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with s.post(url, json=body) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return r
+            async for line in resp.content:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    r.error = ev["error"].get("message", "error")
+                    return r
+                if ev.get("usage"):
+                    r.prompt_tokens = ev["usage"]["prompt_tokens"]
+                    r.output_tokens = ev["usage"]["completion_tokens"]
+                for c in ev.get("choices", []):
+                    piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    if piece:
+                        now = time.perf_counter()
+                        if last is None:
+                            r.ttft = now - t0
+                        else:
+                            r.itl.append(now - last)
+                        last = now
+                        r.chunks += 1
+        r.e2e = time.perf_counter() - t0
+        r.ok = True
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+def pct(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, round(p * (len(s) - 1)))]
+
+    return {"mean": statistics.fmean(s) * 1e3, "p50": q(0.5) * 1e3, "p90": q(0.9) * 1e3, "p99": q(0.99) * 1e3}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = load_prompts(args.dataset, data_dir(args.data_dir), args.num_prompts, args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with s.get(args.url.rstrip("/") + "/v1/models") as resp:
+            resp.raise_for_status()
+            model = args.model or (await resp.json())["data"][0]["id"]
+        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        rng = random.Random(args.seed)
+
+        async def task(p: str) -> Result:
+            if sem is None:
+                return await one(s, args, model, p)
+            async with sem:
+                return await one(s, args, model, p)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(task(p)))
+            if args.rate and args.rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.rate))
+        results = await asyncio.gather(*tasks)
+        dur = time.perf_counter() - t0
+        server: dict[str, Any] = {}
+        try:
+            async with s.get(args.url.rstrip("/") + "/debug/engine") as resp:
+                if resp.status == 200:
+                    d = await resp.json()
+                    server = {"daemon_max_rss_mb": d.get("daemon", {}).get("max_rss_mb"),
+                              "engine_max_rss_mb": d.get("engine_max_rss_mb"),
+                              "daemon_torch_loaded": d.get("daemon", {}).get("torch_loaded")}
+        except aiohttp.ClientError:
+            pass
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    return {
+        "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "url": args.url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
+        "num_prompts": len(prompts), "rate": args.rate, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": dur, "request_throughput": len(ok) / dur,
+        "output_throughput": out_tok / dur, "total_token_throughput": (out_tok + in_tok) / dur,
+        "prompt_tokens": in_tok, "output_tokens": out_tok,
+        "mean_tokens_per_chunk": out_tok / max(1, sum(r.chunks for r in ok)),
+        "ttft_ms": pct([r.ttft for r in ok]), "itl_ms": pct([x for r in ok for x in r.itl]),
+        "e2e_ms": pct([r.e2e for r in ok]),
+        "tpot_ms": pct([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "server": server,
+        "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
+    }
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [
+        f"{'model':<28}{res['model']}",
+        f"{'dataset / endpoint':<28}{res['dataset']} / {res['endpoint']}",
+        f"{'load':<28}rate={res['rate'] or 'inf'} concurrency={res['concurrency'] or '-'} max_tokens={res['max_tokens']}"
+        f" temperature={res['temperature']}",
+        f"{'completed / failed':<28}{res['completed']} / {res['failed']}",
+        f"{'duration (s)':<28}{res['duration_s']:.2f}",
+        f"{'requests/s':<28}{res['request_throughput']:.3f}",
+        f"{'output tokens/s':<28}{res['output_throughput']:.2f}",
+        f"{'total tokens/s':<28}{res['total_token_throughput']:.2f}",
+        f"{'tokens per chunk':<28}{res['mean_tokens_per_chunk']:.2f}",
+        f"{'':<28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for k, name in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2e_ms", "E2E (ms)")):
+        v = res[k]
+        lines.append(f"{name:<28}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
+    srv = res.get("server") or {}
+    if srv:
+        lines.append(f"{'peak RSS daemon/engine (MB)':<28}{srv.get('daemon_max_rss_mb') or 0:.0f} / "
+                     f"{srv.get('engine_max_rss_mb') or 0:.0f}")
+    if res["errors"]:
+        lines.append(f"{'errors':<28}{res['errors']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mleagle bench serve", description="Online benchmark against a running server.")
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=os.environ.get("MLEAGLE_API_KEY"))
+    ap.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    ap.add_argument("--dataset", default="mt_bench", help="mt_bench | gsm8k | alpaca | path.jsonl")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=None, help="requests/s, Poisson arrivals (default: all at once)")
+    ap.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    ap.add_argument("--per-request", action="store_true", help="include per-request figures in the JSON")
+    return ap
+
+
+def bench_serve_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.rate is None and args.concurrency is None:
+        args.concurrency = 8
+    try:
+        res = asyncio.run(run(args))
+    except (OSError, ValueError, aiohttp.ClientError) as e:
+        print(f"mleagle bench serve: {e}", file=sys.stderr)
+        return 1
+    print(table(res))
+    if args.output:
+        Path(args.output).write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.output}")
+    return 0 if res["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(bench_serve_main())
