@@ -19,8 +19,9 @@ MT = 6
 
 @pytest.fixture(scope="module")
 def srv():
+    # A random 2-layer draft: output stays exactly greedy, and three runners' pools must all come back free.
     s = ServerProc("--config", "smollm2-135m", "--max-total-tokens", "16384", "--max-running-requests", "64",
-                   "--max-queued-requests", "64")
+                   "--max-queued-requests", "64", "--draft", "random:2")
     s.wait_healthy(60)
     yield s
     assert s.terminate() == 0, s.log()
@@ -39,8 +40,9 @@ async def full(s: aiohttp.ClientSession, url: str, i: int) -> dict:
 
 async def streamed(s: aiohttp.ClientSession, url: str, i: int) -> tuple[str, list[str | None], int, int]:
     body = {"prompt": prompt(i), "max_tokens": MT, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "spec_stats": True}
     text, finishes, done, usage = "", [], 0, -1
+    spec = None
     async with s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200
         async for line in r.content:
@@ -56,8 +58,10 @@ async def streamed(s: aiohttp.ClientSession, url: str, i: int) -> tuple[str, lis
                 text += c["text"]
                 if c["finish_reason"]:
                     finishes.append(c["finish_reason"])
+                    spec = c["spec_stats"]
             if ch.get("usage"):
                 usage = ch["usage"]["completion_tokens"]
+    assert spec is not None and len(spec["accepted_per_depth"]) == 2 and spec["num_verify"] > 0
     return text, finishes, done, usage
 
 
@@ -72,7 +76,7 @@ async def test_64_concurrent_streams_equal_greedy(srv):
         assert finishes == [r["choices"][0]["finish_reason"]] and done == 1
         assert usage == r["usage"]["completion_tokens"]
     d = srv.wait_pools_free()
-    assert {p["runner"] for p in d["pool_usage"]} >= {"target"}
+    assert {p["runner"] for p in d["pool_usage"]} == {"target", "draft0", "draft1"}
 
 
 async def test_random_disconnects_free_every_slot(srv):
