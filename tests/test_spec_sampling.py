@@ -1,0 +1,116 @@
+"""Lossless speculative sampling: samples follow the target's distribution exactly (issue 3).
+
+A 12-token vocabulary model and a random (so quite different) draft. For one prompt the exact
+target distribution of the 2nd and 3rd generated tokens (o1, o2) is computed from target-only
+logits of every prefix (o0 and o0 o1), with the request's temperature and filters applied; thousands
+of seeded speculative requests are then compared with it by a chi-square test, for several
+temperatures, top-p values, and top-k with min-p. The same test with acceptance forced to
+always-accept must reject, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from mleagle.engine.engine import Engine
+from mleagle.engine.sampling import rng
+from mleagle.engine.sampling.processor import probs_from_logits
+from mleagle.engine.sampling_params import SamplingParams
+
+from tests.spec_helpers import chaos, tiny_cfg
+
+V = 12
+PROMPT = [1, 2, 3]
+N = 2500
+
+
+def _engine(draft: str) -> Engine:
+    cfg = tiny_cfg("v12", vocab=V, hidden=32, layers=2, heads=4, kv=2, inter=64, seed=3)
+    e = Engine(cfg, draft=draft, max_running_requests=256, max_total_tokens=8192)
+    chaos(e, head=12.0)
+    return e
+
+
+@functools.cache
+def _raw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw target log-probs after the prompt [V], after prompt+o0 [V, V], after prompt+o0+o1 [V, V, V]."""
+    e = _engine("none")
+    prefixes = [PROMPT] + [PROMPT + [a] for a in range(V)] + [PROMPT + [a, b] for a in range(V) for b in range(V)]
+    out = e.generate(prefixes, SamplingParams(temperature=0.0, max_new_tokens=1, logprobs=V))
+    rows = torch.empty(len(prefixes), V)
+    for i, c in enumerate(out):
+        assert c.logprobs is not None
+        for t, lp in c.logprobs[0].top:
+            rows[i, t] = lp
+    return rows[0], rows[1 : 1 + V], rows[1 + V :].view(V, V, V)
+
+
+def _expected(sp: SamplingParams) -> torch.Tensor:
+    """Exact joint distribution of (o1, o2) under the request's temperature and filters: [V, V]."""
+    r0, r1, r2 = _raw()
+    p0 = probs_from_logits(r0.view(1, V), [sp])[0]
+    p1 = probs_from_logits(r1, [sp] * V)  # [o0, o1]
+    p2 = probs_from_logits(r2.view(V * V, V), [sp] * (V * V)).view(V, V, V)  # [o0, o1, o2]
+    return torch.einsum("a,ab,abc->bc", p0, p1, p2)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
+    n = counts.sum()
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    small = exp < 5
+    if int(((exp == 0) & (obs > 0)).sum()):
+        return 0.0  # a sample the target can never produce
+    e_cells = torch.cat([exp[~small], exp[small].sum().view(1)])
+    o_cells = torch.cat([obs[~small], obs[small].sum().view(1)])
+    keep = e_cells > 0
+    e_cells, o_cells = e_cells[keep], o_cells[keep]
+    stat = float(((o_cells - e_cells) ** 2 / e_cells).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _sample(draft: str, sp: SamplingParams) -> tuple[torch.Tensor, Engine]:
+    e = _engine(draft)
+    params = [sp.model_copy(update={"seed": 1000 + i, "max_new_tokens": 3}) for i in range(N)]
+    out = e.generate([PROMPT] * N, params)
+    counts = torch.zeros(V, V, dtype=torch.int64)
+    for c in out:
+        assert len(c.token_ids) == 3
+        counts[c.token_ids[1], c.token_ids[2]] += 1
+    return counts, e
+
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.5, top_p=0.8),
+    SamplingParams(temperature=1.0, top_k=5, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("sp", CASES, ids=["t1", "t0.7-p0.9", "t1.5-p0.8", "t1-k5-minp"])
+def test_speculative_samples_match_target_distribution(sp: SamplingParams) -> None:
+    counts, e = _sample("random:2:4", sp)
+    st = e.worker.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both accept and reject paths ran
+    assert _chi2_pvalue(counts, _expected(sp)) > 1e-3
+
+
+def test_target_only_sampling_matches_too() -> None:
+    """The reference itself: target-only samples pass the same test (the expected table is right)."""
+    sp = CASES[1]
+    counts, _ = _sample("none", sp)
+    assert _chi2_pvalue(counts, _expected(sp)) > 1e-3
+
+
+def test_always_accept_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break rejection sampling (accept every draft the target could produce): the test must notice."""
+    monkeypatch.setattr(rng, "uniform", lambda *a, **k: 0.0)
+    sp = CASES[0]
+    counts, e = _sample("random:2:4", sp)
+    assert e.worker.stats.num_accepted_tokens > 0
+    assert _chi2_pvalue(counts, _expected(sp)) < 1e-6
