@@ -197,14 +197,15 @@ class Engine:
                chat: bool = False) -> Iterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, delta) as the engine steps, until every prompt is finished."""
         plist = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
-        rids = []
-        for p, sp in zip(prompts, plist):
-            rid = uuid.uuid4().hex
-            self.add_request(rid, self.encode_prompt(p, chat), sp)
-            rids.append(rid)
-        index = {r: i for i, r in enumerate(rids)}
-        left = set(rids)
+        rids: list[str] = []
+        left: set[str] = set()
         try:
+            for p, sp in zip(prompts, plist):
+                rid = uuid.uuid4().hex
+                self.add_request(rid, self.encode_prompt(p, chat), sp)
+                rids.append(rid)
+                left.add(rid)  # a later bad prompt aborts the ones already added (finally below)
+            index = {r: i for i, r in enumerate(rids)}
             while left:
                 for out in self.step():
                     if out.rid in index:
