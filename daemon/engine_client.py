@@ -83,7 +83,7 @@ class _Gen:
     proc: asyncio.subprocess.Process
     push: zmq.Socket
     pull: zmq.asyncio.Socket
-    events_addr: str
+    events: Any  # ZmqEventSubscriber bound before the engine starts, so no early event is lost
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
@@ -139,8 +139,9 @@ class EngineClient:
         return self.gen.proc.pid if self.gen is not None else None
 
     @property
-    def events_addr(self) -> str | None:
-        return self.gen.events_addr if self.gen is not None and self.state == "ready" else None
+    def events(self) -> Any:
+        """The current engine's event subscriber (None between engines)."""
+        return self.gen.events if self.gen is not None else None
 
     async def start(self) -> None:
         """Spawn the engine and wait for its handshake; raises RuntimeError if it cannot start."""
@@ -169,13 +170,18 @@ class EngineClient:
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.RCVHWM, 0)
         pull.bind(out_addr)
+        # The daemon binds the SUB side and the engine's PUB connects to it before it even loads the
+        # model: the subscription is in place before the first event (no slow-joiner loss).
+        from mleagle.engine.event_bus import ZmqEventSubscriber
+
+        events = ZmqEventSubscriber(ev_addr, bind=True, ctx=self.ctx)
         cfg_file = Path(d) / f"g{n}-config.json"
         cfg_file.write_text(self.cfg.model_dump_json())
         cmd = [sys.executable, "-m", "mleagle.engine.process", "--config-file", str(cfg_file), "--run-dir", d,
                "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr]
         # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
         proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)
-        gen = self.gen = _Gen(n, proc, push, pull, ev_addr)
+        gen = self.gen = _Gen(n, proc, push, pull, events)
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         gen.tasks.append(asyncio.create_task(self._recv_loop(gen)))
@@ -297,6 +303,7 @@ class EngineClient:
                 t.cancel()
         gen.push.close(linger=0)
         gen.pull.close(linger=0)
+        gen.events.close()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit, kill it after `timeout`, clean up sockets and the run dir."""

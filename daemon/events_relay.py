@@ -1,6 +1,6 @@
 """`GET /v1/events`: the engine's state events relayed to WebSocket subscribers.
 
-One SUB socket per engine generation feeds a `StateTracker`; each WebSocket subscriber first gets a
+The SUB socket of the current engine generation (bound by the engine client) feeds a `StateTracker`; each WebSocket subscriber first gets a
 `snapshot` event (the current state), then the deltas as JSON text frames, optionally filtered by
 type (`?types=batch,pool`). A subscriber that cannot keep up loses its oldest events (its queue is
 bounded) and is told how many with a `drops` event of stage "relay"; the engine never waits for it.
@@ -15,9 +15,10 @@ import logging
 from collections import Counter
 from typing import Any
 
+import zmq
 from aiohttp import web
 from mleagle.daemon.errors import APIError
-from mleagle.engine.event_bus import StateTracker, ZmqEventSubscriber
+from mleagle.engine.event_bus import StateTracker
 from mleagle.engine.events import EVENT_TYPES, DropsEvent, dump_event
 
 log = logging.getLogger("mleagle.daemon.events")
@@ -57,30 +58,25 @@ class EventsRelay:
                 await self.task
 
     async def _run(self) -> None:
+        current = None
         while True:
-            addr = self.client.events_addr
-            if addr is None:
+            sub = self.client.events
+            if sub is None:
                 await asyncio.sleep(0.2)
                 continue
-            sub = ZmqEventSubscriber(addr, ctx=self.client.ctx)
             try:
-                while self.client.events_addr == addr:
-                    try:
-                        e = await asyncio.wait_for(sub.recv(), 1.0)
-                    except asyncio.TimeoutError:
-                        continue
-                    self.received += 1
-                    self.tracker.apply(e)
-                    for s in self.subs:
-                        s.put(e)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("event relay failed; reconnecting")
-                await asyncio.sleep(0.5)
-            finally:
-                sub.close()
-            self.tracker = StateTracker()  # a new engine: old state is gone
+                e = await asyncio.wait_for(sub.recv(), 1.0)
+            except asyncio.TimeoutError:
+                continue
+            except zmq.ZMQError:  # the engine generation ended and its socket closed
+                await asyncio.sleep(0.1)
+                continue
+            if sub is not current:
+                current, self.tracker = sub, StateTracker()  # a new engine: old state is gone
+            self.received += 1
+            self.tracker.apply(e)
+            for s in self.subs:
+                s.put(e)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = request.query.get("types", "").strip()

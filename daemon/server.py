@@ -107,6 +107,8 @@ class Server:
 
     def admit(self, k: int) -> None:
         self.check_ready()
+        if k > self.max_inflight:
+            raise APIError(400, f"{k} sequences in one request; at most {self.max_inflight}", param="n")
         if self.client.num_inflight + k > self.max_inflight:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"too many requests in flight ({self.client.num_inflight}); retry later",
@@ -145,6 +147,12 @@ class Server:
             return tok.encode(text, add_special_tokens=special)
         except (UnicodeError, ValueError, TypeError) as e:
             raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+
+    async def aencode(self, text: str, special: bool) -> list[int]:
+        """Tokenize; long texts off the event loop (a 1 MB prompt takes ~0.4 s), short ones inline."""
+        if len(text) > 8192:
+            return await asyncio.to_thread(self.encode, text, special)
+        return self.encode(text, special)
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.client.info.vocab_size if self.client.info else None
@@ -203,6 +211,13 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def sampling(req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
+    try:
+        return to_sampling_params(req, budget, index)
+    except ValidationError as e:  # constraints only SamplingParams knows (e.g. empty or too many stops)
         raise from_validation(e) from None
 
 
@@ -295,9 +310,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     srv.check_ready()
     p = req.prompt
     if isinstance(p, str):
-        prompts = [srv.encode(p, True)]
+        prompts = [await srv.aencode(p, True)]
     elif all(isinstance(x, str) for x in p):
-        prompts = [srv.encode(x, True) for x in p]  # type: ignore[arg-type]
+        prompts = [await srv.aencode(x, True) for x in p]  # type: ignore[arg-type]
     elif all(isinstance(x, int) for x in p):
         prompts = [srv.check_ids(p)]  # type: ignore[arg-type]
     else:
@@ -307,7 +322,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for ids in prompts:
         budget = srv.budget(len(ids), req.max_tokens)
         for j in range(req.n):
-            gen.add(ids, to_sampling_params(req, budget, j), count_prompt=j == 0)
+            gen.add(ids, sampling(req, budget, j), count_prompt=j == 0)
     return await run_generation(request, srv, gen, req, _completion_format(srv, gen, req))
 
 
@@ -324,12 +339,12 @@ async def chat(request: web.Request) -> web.StreamResponse:
         raise
     except Exception as e:
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    ids = srv.encode(text, False)
+    ids = await srv.aencode(text, False)
     budget = srv.budget(len(ids), req.max_completion_tokens or req.max_tokens)
     gen = srv.generation()
     gen.id = "chatcmpl-" + gen.id
     for j in range(req.n):
-        gen.add(ids, to_sampling_params(req, budget, j), count_prompt=j == 0)
+        gen.add(ids, sampling(req, budget, j), count_prompt=j == 0)
     return await run_generation(request, srv, gen, req, _chat_format(srv, gen, req))
 
 
@@ -446,7 +461,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req: GenerateRequest = parse(GenerateRequest, await read_json(request, srv))
     req.check()
     srv.check_ready()
-    ids = srv.encode(req.text, True) if req.text is not None else srv.check_ids(req.input_ids or [])
+    ids = await srv.aencode(req.text, True) if req.text is not None else srv.check_ids(req.input_ids or [])
     sp = dict(req.sampling_params)
     try:
         params = SamplingParams.model_validate(sp)

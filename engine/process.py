@@ -201,16 +201,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class EventPump:
     """Moves the engine's state events from its `EventBus` to a ZMQ PUB socket, between steps."""
 
-    def __init__(self, engine: Any, addr: str) -> None:
-        from mleagle.engine.event_bus import EventBus, ZmqEventPublisher
+    def __init__(self, pub: Any) -> None:
+        self.pub = pub
+        self.bus: Any = None
+        self.last_drops = 0.0
+
+    def attach(self, engine: Any) -> None:
+        from mleagle.engine.event_bus import EventBus
 
         if getattr(engine, "events", None) is None:
             engine.events = EventBus()
         self.bus = engine.events
-        self.pub = ZmqEventPublisher(addr)
-        self.last_drops = 0.0
 
     def pump(self) -> None:
+        if self.bus is None:
+            return
         try:
             if len(self.bus):
                 self.pub.publish(self.bus.drain())
@@ -226,11 +231,15 @@ class EventPump:
         self.pub.close()
 
 
-def _event_pump(engine: Any, addr: str | None) -> EventPump | None:
+def _event_pump(addr: str | None) -> EventPump | None:
+    """Connect the PUB socket first thing: the daemon's SUB is bound and subscribed by the time the
+    engine has loaded, so its first events are not lost to ZMQ's slow-joiner window."""
     if addr is None:
         return None
     try:
-        return EventPump(engine, addr)
+        from mleagle.engine.event_bus import ZmqEventPublisher
+
+        return EventPump(ZmqEventPublisher(addr, bind=False))
     except Exception:
         log.error("state events disabled:\n%s", traceback.format_exc())
         return None
@@ -254,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         pull.setsockopt(zmq.LINGER, 0)
         pull.connect(args.requests)
     t0 = time.perf_counter()
+    pump = _event_pump(args.events) if args.rank == 0 else None
     try:
         engine = build_engine(cfg)
         if args.rank != 0:
@@ -263,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(engine, "tokenizer", None) is not None:
             tok_dir = str(Path(args.run_dir) / "tokenizer")
             engine.tokenizer.save(tok_dir)
-        pump = _event_pump(engine, args.events)
+        if pump is not None:
+            pump.attach(engine)
         ready = Ready(
             model_name=engine.model_name,
             max_context_len=int(engine.max_context_len),

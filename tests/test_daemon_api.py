@@ -183,6 +183,8 @@ CASES = [
     ("token id out of vocab", "POST", "/v1/completions", True, b'{"prompt": [1, 99999999]}', 400, "prompt"),
     ("empty prompt", "POST", "/v1/completions", True, b'{"prompt": ""}', 400, "prompt"),
     ("unknown model", "POST", "/v1/completions", True, b'{"model": "gpt-9", "prompt": "a"}', 404, "model_not_found"),
+    ("empty stop string", "POST", "/v1/completions", True, b'{"prompt": "a", "stop": [""]}', 422, "stop"),
+    ("n too large", "POST", "/v1/completions", True, b'{"prompt": "a", "n": 1000}', 422, "n"),
     ("logit_bias", "POST", "/v1/completions", True, b'{"prompt": "a", "logit_bias": {"1": 5}}', 400, "unsupported"),
     ("empty messages", "POST", "/v1/chat/completions", True, b'{"messages": []}', 422, "messages"),
     ("messages wrong type", "POST", "/v1/chat/completions", True, b'{"messages": "hi"}', 422, "messages"),
