@@ -267,8 +267,9 @@ class SpecWorker(TargetWorker):
             for j in range(n):
                 sp.accepted_per_depth[j] += 1
                 self.stats.accepted_per_depth[j] += 1
-            # Layer k's KV at the last min(k, n) committed positions read drafts; count them.
-            self.boundary_kv_stale_positions += sum(min(k, n) for k in range(s))
+            # Layer k at position p reads t_{p+k+1}: of the n+1 committed rows (0..n), rows n-k+1..n
+            # read tokens not yet verified (new drafts), so min(k, n+1) positions per layer; count them.
+            self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
 
     def release(self, req: Req) -> None:
         req.draft_state = None
