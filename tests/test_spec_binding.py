@@ -179,3 +179,23 @@ def test_seed_bug_is_caught(s: int, inject: bool, monkeypatch: pytest.MonkeyPatc
         assert min(st.accepted_per_depth[1:]) < st.num_verify  # lost acceptance at depth >= 1
     else:
         assert ok_bind and ok_pools and ok_oracle
+
+
+def test_boundary_kv_positions_counted() -> None:
+    """Accept-the-staleness policy: layer k's KV at the last min(k, n+1) committed positions was
+    computed from unverified drafts (n = accepted drafts); the worker counts those positions."""
+    e = oracle_engine("random:3", noise=0.12)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(f"r{i}", p, greedy(12))
+    expect = 0
+    while e.has_work():
+        e.step()
+        if e.scheduler.last_mode == "DECODE":
+            expect += sum(min(k, n + 1) for n in e.worker.last.accepted for k in range(3))
+            assert e.worker.boundary_kv_stale_positions == expect
+    assert 0 < expect
+    # With every draft rejected (n = 0) step k >= 1 still reads a fresh draft at the last committed row.
+    e2 = oracle_engine("random:3", noise=5.0)
+    e2.generate(PROMPTS[:1], greedy(4))
+    assert e2.worker.stats.num_accepted_tokens == 0
+    assert e2.worker.boundary_kv_stale_positions == 2 * e2.worker.stats.num_verify
