@@ -178,7 +178,7 @@ class EngineClient:
         cfg_file = Path(d) / f"g{n}-config.json"
         cfg_file.write_text(self.cfg.model_dump_json())
         cmd = [sys.executable, "-m", "mleagle.engine.process", "--config-file", str(cfg_file), "--run-dir", d,
-               "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr]
+               "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr, "--parent-pid", str(os.getpid())]
         # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
         proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)
         gen = self.gen = _Gen(n, proc, push, pull, events)

@@ -48,13 +48,16 @@ MAX_DRAIN = 512  # messages handled between two steps, so a flood cannot starve 
 MAX_STEP_FAILURES = 3
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGTERM when the daemon dies, so a killed daemon never leaves an orphan engine."""
+def _die_with_parent(parent: int | None) -> None:
+    """Linux: get SIGTERM when the daemon dies, so a killed daemon never leaves an orphan engine. The
+    daemon may have died before prctl ran (we would already be re-parented): then exit right away."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if parent is not None and os.getppid() != parent:
+        sys.exit(0)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -193,6 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", required=True, help="zmq address to PULL requests from")
     ap.add_argument("--outputs", required=True, help="zmq address to PUSH outputs to")
     ap.add_argument("--events", default=None, help="zmq address to PUBlish state events on")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit if this process is not our parent")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
     return ap.parse_args(argv)
@@ -248,7 +252,7 @@ def _event_pump(addr: str | None) -> EventPump | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
-    _die_with_parent()
+    _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop (Ctrl-C hits it)
     os.environ.setdefault("RANK", str(args.rank))
     os.environ.setdefault("WORLD_SIZE", str(args.world_size))
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank == 0:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 2000)
+        # The daemon always reads; a send that cannot go out for this long means it is gone.
+        push.setsockopt(zmq.SNDTIMEO, 60_000)
         push.connect(args.outputs)
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
@@ -293,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     assert push is not None and pull is not None
     log.info("engine ready in %.1fs: %s, max context %d", time.perf_counter() - t0, ready.model_name, ready.max_context_len)
     push.send(encode(ready))
-    code = EngineLoop(engine, pull, push, pump).run()
+    try:
+        code = EngineLoop(engine, pull, push, pump).run()
+    except zmq.Again:
+        log.error("the daemon stopped reading outputs; engine exiting")
+        code = 1
     if pump is not None:
         pump.close()
     ctx.destroy(linger=1000)
