@@ -77,12 +77,16 @@ def serve(cfg: MleagleConfig, access_log: bool = False) -> int:
     try:
         import uvloop  # type: ignore[import-not-found]
 
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        factory = uvloop.new_event_loop
     except ImportError:
-        runner = asyncio.Runner()
+        factory = None
     try:
-        with runner:
-            return runner.run(serve_async(cfg, access_log))
+        if sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=factory) as runner:
+                return runner.run(serve_async(cfg, access_log))
+        if factory is not None:
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        return asyncio.run(serve_async(cfg, access_log))
     except OSError as e:
         print(f"mleagle serve: {e}", file=sys.stderr)
         return 1

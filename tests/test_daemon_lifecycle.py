@@ -144,6 +144,30 @@ async def test_queue_limit_429_with_retry_after():
         srv.kill()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(ln for ln in f if ln.startswith("State:")).split()[1]
+    except (FileNotFoundError, StopIteration):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_killed_daemon_leaves_no_engine():
+    srv = ServerProc(*TINY)
+    try:
+        srv.wait_healthy(60)
+        pid = srv.engine()["pid"]
+        assert _alive(pid)
+        srv.proc.kill()  # SIGKILL: no cleanup code runs in the daemon
+        t0 = time.monotonic()
+        while _alive(pid) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert not _alive(pid), "the engine outlived its daemon"
+    finally:
+        srv.kill()
+
+
 def test_engine_that_cannot_start_exits_nonzero(tmp_path):
     cfg = tmp_path / "broken.toml"
     cfg.write_text('[model]\nname = "broken"\npath = "/nonexistent/model.gguf"\nload_format = "gguf"\n')
