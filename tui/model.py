@@ -146,7 +146,8 @@ class Dashboard:
             self.lpm_bad_by[(e.runner, e.mode)] += 1
 
     def _on_acceptance(self, e: AcceptanceEvent) -> None:
-        if e.S != self.S:
+        # a snapshot may have set S already (from its last acceptance) without sizing the per-depth lists
+        if e.S != self.S or len(self.acc_per_depth) != e.S:
             self.S = e.S
             self.acc_per_depth = [0] * e.S
             self.proposed_per_depth = [0] * e.S
