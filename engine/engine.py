@@ -37,6 +37,10 @@ from mleagle.engine.telemetry import Telemetry
 from mleagle.engine.tokenizer import Tokenizer
 from mleagle.engine.worker import TargetWorker
 
+# A verify window reaches S positions past a request's last token, so the slot maps and the RoPE table
+# extend past the context limit by the largest S a draft may have (16) plus the bonus row.
+LOOKAHEAD_MARGIN = 17
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,7 +93,7 @@ class Engine:
         self.tokenizer: Tokenizer | None = Tokenizer.from_source(cfg.model)
         self.max_context_len = min(e.max_context_len or self.arch.max_position_embeddings,
                                    self.arch.max_position_embeddings)
-        model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + 64)
+        model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN)
         model.load_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
@@ -101,7 +105,7 @@ class Engine:
         num_slots = max(num_slots // e.page_size, 2) * e.page_size
         self.max_reqs = e.max_running_requests
         self.target = build_runner("target", self.model, self.arch.num_hidden_layers, num_slots, self.arch, e,
-                                   self.max_reqs, self.max_context_len + 8, self.dtype)
+                                   self.max_reqs, self.max_context_len + LOOKAHEAD_MARGIN, self.dtype)
         self.allocator = SlotAllocator(num_slots, e.page_size)
         self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token])
         self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
