@@ -136,6 +136,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await one(s, args, model, p)
 
+        load0 = os.getloadavg()
         t0 = time.perf_counter()
         tasks = []
         for p in prompts:
@@ -160,6 +161,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        # The client's view of how busy the machine was (a shared CPU box skews every figure).
+        "loadavg_1m_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
         "url": args.url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
         "num_prompts": len(prompts), "rate": args.rate, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -184,6 +187,7 @@ def table(res: dict[str, Any]) -> str:
         f"{'load':<28}rate={res['rate'] or 'inf'} concurrency={res['concurrency'] or '-'} max_tokens={res['max_tokens']}"
         f" temperature={res['temperature']}",
         f"{'completed / failed':<28}{res['completed']} / {res['failed']}",
+        f"{'load average (start/end)':<28}{res['loadavg_1m_start_end'][0]} / {res['loadavg_1m_start_end'][1]}",
         f"{'duration (s)':<28}{res['duration_s']:.2f}",
         f"{'requests/s':<28}{res['request_throughput']:.3f}",
         f"{'output tokens/s':<28}{res['output_throughput']:.2f}",
