@@ -12,6 +12,7 @@ the seed-bug test expects to fail under fault injection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,12 @@ def tiny_engine(draft: str = "none", *, cfg: MleagleConfig | None = None, chaoti
     if chaotic:
         chaos(e)
     return e
+
+
+@functools.cache
+def smol(draft: str = "none") -> Engine:
+    """SmolLM2 engines shared by the spec test files (each loads in seconds, but not for free)."""
+    return Engine(draft=draft)
 
 
 def greedy(n: int, **kw: Any) -> SamplingParams:

@@ -12,10 +12,9 @@ import functools
 
 import pytest
 from mleagle.engine.config import smollm2_gguf_path
-from mleagle.engine.engine import Engine
 from mleagle.engine.sampling_params import SamplingParams
 
-from tests.spec_helpers import greedy, oracle_engine, run, tiny_engine
+from tests.spec_helpers import greedy, oracle_engine, run, smol, tiny_engine
 
 PROMPTS = [[1, 2, 3], list(range(5, 16)), [100], [7, 7, 7, 7, 7], list(range(30, 47)), [200, 3, 9, 41, 5, 6, 77, 8, 90]]
 
@@ -109,25 +108,20 @@ def test_oracle_stop_strings_inside_accepted_runs() -> None:
 
 
 # --- the real model ---------------------------------------------------------------------------------
-@functools.cache
-def _smol(draft: str) -> Engine:
-    return Engine(draft=draft)
-
-
 SMOL_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
 
 
 @pytest.mark.parametrize(("draft", "chunk"), [("random:2", 5), ("random:3:1:nochain", 0)])
 def test_smollm2_exact(draft: str, chunk: int) -> None:
-    ref_e = _smol("none")
+    ref_e = smol("none")
     ref_e.scheduler.chunk_size = 0
     plain = ref_e.generate(SMOL_PROMPTS, greedy(10))
     # A stop string taken from the middle of one output, an EOS-like stop id, and a short max-token cut.
     mid = plain[0].text[len(plain[0].text) // 2 :][:4]
     params = [greedy(10, stop=[mid]), greedy(10, stop_token_ids=[plain[1].token_ids[5]]), greedy(3)]
-    for e in (ref_e, _smol(draft)):
+    for e in (ref_e, smol(draft)):
         e.scheduler.chunk_size = chunk
     ref = ref_e.generate(SMOL_PROMPTS, params)
     assert ref[0].finish_reason == "stop" and ref[1].finish_reason == "stop"
-    out = _smol(draft).generate(SMOL_PROMPTS, params)
+    out = smol(draft).generate(SMOL_PROMPTS, params)
     assert [(c.token_ids, c.text, c.finish_reason) for c in out] == [(c.token_ids, c.text, c.finish_reason) for c in ref]

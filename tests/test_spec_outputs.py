@@ -14,9 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from mleagle.engine.engine import Engine
 
-from tests.spec_helpers import all_free, greedy, make_oracle, oracle_engine, run, tiny_engine
+from tests.spec_helpers import all_free, greedy, make_oracle, oracle_engine, run, smol, tiny_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 O_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], list(range(20, 33)), [40]]
@@ -64,8 +63,10 @@ def test_logprobs_equal_target_only_oracle() -> None:
 def test_logprobs_equal_target_only_smollm2() -> None:
     prompts = ["The capital of France is", "def fib(n):"]
     params = greedy(8, logprobs=5)
-    ref = Engine().generate(prompts, params)
-    out = Engine(draft="random:2").generate(prompts, params)
+    ref_e, spec_e = smol("none"), smol("random:2")
+    ref_e.scheduler.chunk_size = spec_e.scheduler.chunk_size = 512  # the engines are shared with other tests
+    ref = ref_e.generate(prompts, params)
+    out = spec_e.generate(prompts, params)
     for c, r in zip(out, ref):
         assert c.token_ids == r.token_ids and c.logprobs is not None and r.logprobs is not None
         # Chosen tokens agree to 1e-5. Over 30 layers a verify forward (W rows per request) and a

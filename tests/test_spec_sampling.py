@@ -23,7 +23,7 @@ from tests.spec_helpers import chaos, tiny_cfg
 
 V = 12
 PROMPT = [1, 2, 3]
-N = 2500
+N = 2000
 
 
 def _engine(draft: str) -> Engine:
