@@ -29,7 +29,8 @@ class Telemetry:
         self.prompt_total = self.gen_total = self.finished_total = 0
         self.forwards: dict[str, int] = {}
         self.last_status = 0.0
-        self._window: list[tuple[float, int, int]] = []
+        self._window: list[tuple[float, int, int]] = []  # (time, generated, prompt tokens) per step
+        self.prompt_window = 0
 
     @property
     def bus(self) -> Any:
@@ -59,23 +60,31 @@ class Telemetry:
         bus, step = self.bus, s.num_steps
         w = self.e.worker
         b = w.last_batch if s.last_mode != "IDLE" else None
+        verify = b is not None and b.mode.value == "TARGET_VERIFY"
+        last = getattr(w, "last", None) if verify else None
         if b is not None:
+            if b.mode.value == "EXTEND":
+                self.prompt_window += b.num_tokens
+            drafts = getattr(w, "step_batches", []) if verify else []
+            times = last.draft_layer_s if last is not None else []
+            for k, db in enumerate(drafts):
+                bus.emit(ev.BatchEvent(step=step, mode=db.mode.value, runner=db.binding.name if db.binding else "?",
+                                       rids=list(db.rids), num_tokens_per_req=list(db.extend_lens),
+                                       num_tokens=db.num_tokens, bs=db.bs, padded_bs=db.bs, graph="eager",
+                                       eager_reason=self.e.device.type,
+                                       duration_s=times[k] if k < len(times) else 0.0,
+                                       num_running=len(s.running), num_waiting=len(s.waiting)))
+            # The target's batch goes last, so a subscriber's "last batch" is the step's main forward.
             bus.emit(ev.BatchEvent(step=step, mode=b.mode.value, runner="target", rids=list(b.rids),
                                    num_tokens_per_req=list(b.extend_lens), num_tokens=b.num_tokens, bs=b.bs,
                                    padded_bs=b.bs, graph="eager", eager_reason=self.e.device.type,
                                    duration_s=duration, num_running=len(s.running), num_waiting=len(s.waiting)))
-            for db in getattr(w, "step_batches", []) if b.mode.value == "TARGET_VERIFY" else []:
-                bus.emit(ev.BatchEvent(step=step, mode=db.mode.value, runner=db.binding.name if db.binding else "?",
-                                       rids=list(db.rids), num_tokens_per_req=list(db.extend_lens),
-                                       num_tokens=db.num_tokens, bs=db.bs, padded_bs=db.bs, graph="eager",
-                                       eager_reason=self.e.device.type))
-            last = getattr(w, "last", None)
-            if b.mode.value == "TARGET_VERIFY" and last is not None and last.bs:
+            if last is not None and last.bs:
                 depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
                 bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
                                             accept_lens=[n + 1 for n in last.accepted], rids=list(b.rids),
                                             draft_time_s=last.draft_s, verify_time_s=last.verify_s,
-                                            draft_time_per_layer_s=[last.draft_s / w.steps] * w.steps))
+                                            draft_time_per_layer_s=list(last.draft_layer_s)))
         for u in self.e.pool_usage():
             bus.emit(ev.PoolEvent(runner=u["runner"], kv_used=u["kv_used"], kv_total=u["kv_total"],
                                   req_used=u["req_used"], req_total=u["req_total"],
@@ -88,14 +97,19 @@ class Telemetry:
             bus.emit(ev.RequestEvent(rid=rid, state="preempted"))
         self.running = running
         tok = self.e.tokenizer
+        # In a verify step a request's tokens are its accepted drafts (depth 1..n) then the target's
+        # own token (depth 0); elsewhere every token is the target's.
+        accepted = dict(zip(b.rids, last.accepted)) if last is not None and b is not None else {}
         for o in outputs:
             toks = None
             if o.logprobs:
+                n = accepted.get(o.rid)
+                depths = [*range(1, n + 1), 0] if n is not None else [0] * len(o.logprobs)
                 toks = [ev.TokenEvent(token_id=lp.token_id, text=tok.decode([lp.token_id]) if tok else None,
-                                      logprob=lp.logprob,
+                                      logprob=lp.logprob, depth=depths[j] if j < len(depths) else None,
                                       top=[ev.TopToken(token_id=t, text=tok.decode([t]) if tok else None, logprob=v)
                                            for t, v in lp.top])
-                        for lp in o.logprobs]
+                        for j, lp in enumerate(o.logprobs)]
             if o.finished:
                 self.finished_total += 1
                 state = "aborted" if o.finish_reason == "abort" else "finished"
@@ -105,8 +119,15 @@ class Telemetry:
             elif toks:
                 bus.emit(ev.RequestEvent(rid=o.rid, state="running", prompt_tokens=o.num_prompt_tokens,
                                          output_tokens=o.num_output_tokens, tokens=toks))
-        self._window.append((now, new_tokens, 0))
+        self._window.append((now, new_tokens, self.prompt_window))
+        self.prompt_window = 0
         if now - self.last_status >= 1.0:
+            self.status(now)
+
+    def idle(self) -> None:
+        """Called by the engine process while it waits: keeps status (rates, uptime) current."""
+        now = time.time()
+        if self.bus is not None and now - self.last_status >= 1.0:
             self.status(now)
 
     def status(self, now: float | None = None) -> None:
@@ -114,7 +135,8 @@ class Telemetry:
             return
         now = now or time.time()
         self._window = [x for x in self._window if now - x[0] <= 5.0]
-        span = max(now - self._window[0][0], 1e-3) if self._window else 1.0
+        # Rates over the last 5 s, and never over less than 1 s (one sample would spike them).
+        span = max(now - self._window[0][0], 1.0) if self._window else 1.0
         s, w = self.e.scheduler, self.e.worker
         stats = getattr(w, "stats", None)
         self.bus.emit(ev.EngineEvent(
@@ -123,6 +145,7 @@ class Telemetry:
             num_running=len(s.running), num_waiting=len(s.waiting), prompt_tokens_total=self.prompt_total,
             gen_tokens_total=self.gen_total, requests_finished_total=self.finished_total,
             gen_tokens_per_s=sum(x[1] for x in self._window) / span,
+            prompt_tokens_per_s=sum(x[2] for x in self._window) / span,
             mean_accept_len=stats.accept_len if stats is not None and stats.num_verify else None,
             steps_total=s.num_steps))
         for r in self.e.runners:

@@ -56,6 +56,7 @@ class IterationStats:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per request
     verify_s: float = 0.0
     draft_s: float = 0.0
+    draft_layer_s: list[float] = field(default_factory=list)  # wall time of each draft step's forward
 
 
 class SpecWorker(TargetWorker):
@@ -71,6 +72,7 @@ class SpecWorker(TargetWorker):
         self.last = IterationStats()
         self.boundary_kv_stale_positions = 0
         self.step_batches: list[ForwardBatch] = []  # the last iteration's per-step draft batches (tests)
+        self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -200,11 +202,14 @@ class SpecWorker(TargetWorker):
         self.step_batches = []
         for r in reqs:
             r.draft_state.iters += 1
+        self.layer_times = []
         for k, runner in enumerate(self.drafts):
+            t0 = time.perf_counter()
             b = dataclasses.replace(view, input_ids=ids.to(self.device), hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
             o = runner.forward(b)
             d, q = self._draft_tokens(reqs, o.logits, k)
+            self.layer_times.append(time.perf_counter() - t0)
             for i in range(len(reqs)):
                 new[i].append(d[i])
                 if q is not None and q[i] is not None:
@@ -249,7 +254,7 @@ class SpecWorker(TargetWorker):
 
     def _account(self, reqs: list[Req], accepted: list[int], verify_s: float, draft_s: float) -> None:
         s = self.steps
-        self.last = IterationStats(len(reqs), accepted, verify_s, draft_s)
+        self.last = IterationStats(len(reqs), accepted, verify_s, draft_s, list(self.layer_times))
         self.stats.num_verify += len(reqs)
         self.stats.verify_time_s += verify_s
         self.stats.draft_time_s += draft_s
