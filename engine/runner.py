@@ -43,10 +43,16 @@ class ModelRunner:
             raise BindingError(f"runner {name}: backend built for other pools")
         self.name = name
         self.model = model
-        self.binding = StepBinding(name, kv_pool, req_to_token, backend)
+        self._binding = StepBinding(name, kv_pool, req_to_token, backend)
         self.num_forwards = 0
         # Called after every forward with (runner, batch, output): the engine's telemetry hook.
         self.observer: Callable[[ModelRunner, ForwardBatch, ForwardOutput], None] | None = None
+
+    @property
+    def binding(self) -> StepBinding:
+        """Read-only: a runner's pools and backend are fixed at construction (rebinding a shared
+        runner object per step is the bug class this design rules out)."""
+        return self._binding
 
     def bind(self, batch: ForwardBatch) -> ForwardBatch:
         return dataclasses.replace(batch, binding=self.binding)

@@ -39,7 +39,7 @@ def _inject_seed_bug(e: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     request map and attention backend."""
     d0 = e.worker.drafts[0]
     for r in e.worker.drafts[1:]:
-        monkeypatch.setattr(r, "binding", d0.binding)
+        monkeypatch.setattr(r, "_binding", d0.binding)  # bypasses the read-only property on purpose
 
 
 def _step_until_decode(e: Engine) -> None:
@@ -199,3 +199,9 @@ def test_boundary_kv_positions_counted() -> None:
     e2.generate(PROMPTS[:1], greedy(4))
     assert e2.worker.stats.num_accepted_tokens == 0
     assert e2.worker.boundary_kv_stale_positions == 2 * e2.worker.stats.num_verify
+
+
+def test_runner_binding_is_read_only() -> None:
+    e = Engine("tiny-dummy", draft="random:2")
+    with pytest.raises(AttributeError):
+        e.worker.drafts[1].binding = e.worker.drafts[0].binding  # type: ignore[misc]
