@@ -104,6 +104,9 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(4096, ge=16)  # cap on one EXTEND forward's tokens when not chunking
     draft: str = "none"  # PATH | random:S[:seed] | none
     spec_steps: int | None = Field(None, ge=1)
+    # "stale": draft layers keep boundary KV computed from drafts (the serving policy);
+    # "recompute": every draft layer re-runs over the whole sequence each iteration (reference, slow).
+    boundary_kv: Literal["stale", "recompute"] = "stale"
     threads: int | None = Field(None, ge=1)
     seed: int = 0  # seeds requests that bring none, reproducibly per engine run
 

@@ -61,8 +61,12 @@ class IterationStats:
 
 class SpecWorker(TargetWorker):
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
-                 device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset()):
+                 device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
+                 boundary_kv: str = "stale"):
         super().__init__(target, device, eos_ids)
+        if boundary_kv not in ("stale", "recompute"):
+            raise ValueError(f"boundary_kv must be 'stale' or 'recompute', not {boundary_kv!r}")
+        self.boundary_kv = boundary_kv
         if not 1 <= steps <= len(drafts):
             raise ValueError(f"spec steps {steps} must be in 1..{len(drafts)} (the draft's layers)")
         self.drafts = drafts[:steps]
@@ -108,8 +112,12 @@ class SpecWorker(TargetWorker):
                            req_to_token=self.target.binding.req_to_token.req_to_token, device=self.device,
                            rids=tuple(r.rid for r in reqs))
         target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
-        for r in reqs:
-            r.draft_state.hidden_stash = []
+        if self.boundary_kv == "stale":
+            for r in reqs:
+                r.draft_state.hidden_stash = []
+        else:  # "recompute" keeps every committed position's target hidden for the next full pass
+            for r, n in zip(reqs, lens):
+                r.draft_state.hidden_stash = [torch.cat(r.draft_state.hidden_stash)[:n]]
         h = target_hidden
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         self.step_batches = []
@@ -185,7 +193,18 @@ class SpecWorker(TargetWorker):
             # Temporarily extend output so draft positions/penalty contexts count the emitted tokens.
             r.output_ids.extend(res.tokens)
         try:
-            self._draft_extend(reqs, dview, out.hidden, flat, sel)
+            if self.boundary_kv == "stale":
+                self._draft_extend(reqs, dview, out.hidden, flat, sel)
+            else:
+                # Reference policy: every draft layer re-runs over the whole committed sequence, so
+                # no layer keeps KV computed from drafts. O(sequence) per iteration: for measuring
+                # what the stale policy costs in acceptance, not for serving.
+                for i, (r, n) in enumerate(zip(reqs, accepted)):
+                    r.draft_state.hidden_stash.append(out.hidden[i * w : i * w + n + 1])
+                    r.draft_state.iters += 1
+                t_d = time.perf_counter()
+                self._draft_prefill(reqs, [res.tokens[-1] for res in results])
+                self.layer_times = [(time.perf_counter() - t_d) / self.steps] * self.steps
         finally:
             for r, res in zip(reqs, results):
                 del r.output_ids[len(r.output_ids) - len(res.tokens) :]
@@ -274,7 +293,8 @@ class SpecWorker(TargetWorker):
                 self.stats.accepted_per_depth[j] += 1
             # Layer k at position p reads t_{p+k+1}: of the n+1 committed rows (0..n), rows n-k+1..n
             # read tokens not yet verified (new drafts), so min(k, n+1) positions per layer; count them.
-            self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
+            if self.boundary_kv == "stale":
+                self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
 
     def release(self, req: Req) -> None:
         req.draft_state = None
@@ -321,4 +341,5 @@ def build_spec_worker(engine: object) -> SpecWorker:
         e.mem.add_map(r.binding.req_to_token)  # type: ignore[attr-defined]
         runners.append(r)
     e.draft_stack = stack  # type: ignore[attr-defined]
-    return SpecWorker(target, runners, chain, steps, e.device, frozenset(e.eos_ids))  # type: ignore[attr-defined]
+    return SpecWorker(target, runners, chain, steps, e.device, frozenset(e.eos_ids),  # type: ignore[attr-defined]
+                      boundary_kv=ecfg.boundary_kv)
