@@ -39,6 +39,7 @@ class Choice:
     spec: SpecStats | None = None
     num_output_tokens: int = 0
     t_last: float | None = None
+    submitted: bool = False
 
     @property
     def finished(self) -> bool:
@@ -82,10 +83,14 @@ class Generation:
         try:
             for c in self.choices:
                 self.client.add(c.rid, c.prompt_ids, c.params, self.sink, c.index)
+                c.submitted = True
                 self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(c.prompt_ids))
         except EngineUnavailable as e:
             self.close()
             raise APIError(503, f"the engine is not available: {e}", headers={"Retry-After": "2"}) from None
+        except ValueError as e:  # a client-chosen request id already in flight
+            self.close()
+            raise APIError(400, str(e), param="rid") from None
 
     @property
     def completion_tokens(self) -> int:
@@ -93,7 +98,7 @@ class Generation:
 
     def close(self) -> None:
         for c in self.choices:
-            if not c.finished:
+            if c.submitted and not c.finished:  # never another request's rid (a duplicate was refused)
                 self.client.abort(c.rid)
 
     def _apply(self, c: Choice, o: RequestOutput) -> Delta:
@@ -103,9 +108,8 @@ class Generation:
         if n:
             if c.t_last is None:
                 m.ttft.labels(lab).observe(now - self.t0)
-                for _ in range(n - 1):
-                    m.itl.labels(lab).observe(0.0)
             else:
+                # A speculative step emits several tokens at once: each gets its share of the wait.
                 for _ in range(n):
                     m.itl.labels(lab).observe((now - c.t_last) / n)
             c.t_last = now

@@ -138,6 +138,15 @@ async def test_queue_limit_429_with_retry_after():
         for _, b, retry in busy:
             assert retry == "1" and b["error"]["code"] == "queue_full" and b["error"]["type"] == "rate_limit_error"
         assert all(b["usage"]["completion_tokens"] == 400 for _, b, _ in ok)
+        # A client-chosen rid already in flight is refused, and the request holding it is not disturbed.
+        dup = {"input_ids": [1, 2, 3], "rid": "dup", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.create_task(s.post(srv.url + "/generate", json=dup))
+            await asyncio.sleep(0.3)
+            async with s.post(srv.url + "/generate", json=dup) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "rid"
+            r1 = await first
+            assert r1.status == 200 and (await r1.json())["meta_info"]["completion_tokens"] == 1000
         srv.wait_pools_free()
         assert srv.terminate() == 0
     finally:
