@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from mleagle.engine.distributed import all_gather_last_dim, all_reduce, tp
+from mleagle.engine.layers.linear import linear
 from torch import nn
 
 
@@ -50,7 +51,7 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(e - s, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(h, self.weight))
+        logits = all_gather_last_dim(linear(h, self.weight))
         return logits[..., : self.vocab_size]
 
     def load(self, w: torch.Tensor) -> None:

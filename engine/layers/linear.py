@@ -14,6 +14,18 @@ from mleagle.engine.distributed import all_reduce, shard, tp
 from torch import nn
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, but on CPU with a few rows (2..64) computed as (W @ x^T)^T.
+
+    For skinny activations the CPU BLAS is 20-40% faster (2x for a bfloat16 LM head at 32 rows) with
+    the weight as the left operand; one row keeps F.linear, where both forms are the same GEMV.
+    """
+    if x.dim() == 2 and x.device.type == "cpu" and 1 < x.shape[0] <= 64:
+        y = torch.mm(w, x.t()).t().contiguous()
+        return y + b if b is not None else y
+    return F.linear(x, w, b)
+
+
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
@@ -23,7 +35,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load(self, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
         r = tp().rank
@@ -59,7 +71,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.
         return y + self.bias if self.bias is not None else y
