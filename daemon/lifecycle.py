@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 
 from aiohttp import web
@@ -21,6 +23,7 @@ from mleagle.daemon.server import SRV, create_app
 from mleagle.engine.config import MleagleConfig
 
 log = logging.getLogger("mleagle.daemon")
+CLEANUP_S = 30  # closing connections (2 s) and stopping the engine (10 s, then kill) fit well inside
 
 
 async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
@@ -64,13 +67,30 @@ async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
     srv.draining = True
     await site.stop()  # stop listening; open connections carry on
     if not hurry[0] and srv.active:
+        log.info("waiting for %d requests in flight", srv.active)
         try:
             await asyncio.wait_for(srv.idle.wait(), cfg.server.shutdown_timeout_s)
         except asyncio.TimeoutError:
             log.warning("drain deadline passed with %d requests in flight: aborting them", srv.active)
-    await runner.cleanup()
+    # Safety net: whatever happens below (a stuck close, a thread that never ends), the process exits.
+    watchdog = threading.Timer(CLEANUP_S + 15, _hard_exit, (code[0],))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        await asyncio.wait_for(runner.cleanup(), CLEANUP_S)
+    except asyncio.TimeoutError:
+        log.error("cleanup took over %ds; killing the engine and exiting", CLEANUP_S)
+        gen = srv.client.gen
+        if gen is not None and gen.proc.returncode is None:
+            gen.proc.kill()
     log.info("stopped (exit code %d)", code[0])
     return code[0]
+
+
+def _hard_exit(code: int) -> None:
+    log.error("shutdown hung; exiting hard")
+    logging.shutdown()
+    os._exit(code)
 
 
 def serve(cfg: MleagleConfig, access_log: bool = False) -> int:

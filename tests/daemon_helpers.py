@@ -106,7 +106,7 @@ class ServerProc:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise
+            raise AssertionError(f"server did not exit {timeout:.0f}s after SIGTERM:\n{self.log()}") from None
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -21,7 +21,7 @@ MT = 8  # small max_tokens everywhere: CPU decoding is slow on a shared 2-core m
 @pytest.fixture(scope="module")
 def srv():
     s = ServerProc("--config", "smollm2-135m", "--max-total-tokens", "8192", "--max-running-requests", "16",
-                   "--max-body-bytes", "65536", api_key=KEY)
+                   "--max-body-bytes", "65536", "--threads", "1", api_key=KEY)
     s.healthy_s = s.wait_healthy(60)
     yield s
     assert s.terminate() == 0, s.log()

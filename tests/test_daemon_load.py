@@ -21,7 +21,7 @@ MT = 6
 def srv():
     # A random 2-layer draft: output stays exactly greedy, and three runners' pools must all come back free.
     s = ServerProc("--config", "smollm2-135m", "--max-total-tokens", "16384", "--max-running-requests", "64",
-                   "--max-queued-requests", "64", "--draft", "random:2")
+                   "--max-queued-requests", "64", "--draft", "random:2", "--threads", "1")
     s.wait_healthy(60)
     yield s
     assert s.terminate() == 0, s.log()
