@@ -50,19 +50,24 @@ async def test_sigterm_drains_in_flight_then_exits_0():
     srv = ServerProc(*TINY, "--shutdown-timeout", "60")
     try:
         srv.wait_healthy(60)
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession() as s, aiohttp.ClientSession() as idle:
+            async with idle.get(srv.url + "/health") as r:  # leaves a keep-alive connection open
+                assert r.status == 200
             first = asyncio.Event()
-            jobs = [asyncio.create_task(gen_stream(s, srv.url, 200, first)) for _ in range(4)]
+            jobs = [asyncio.create_task(gen_stream(s, srv.url, 1000, first)) for _ in range(4)]
             await asyncio.wait_for(first.wait(), 30)
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
                 async with aiohttp.ClientSession() as s2, s2.get(srv.url + "/health") as r:
                     await r.read()
+            # a new request on a connection opened before the signal is refused, not queued
+            async with idle.post(srv.url + "/generate", json={"input_ids": [1], "sampling_params": {}}) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "shutting_down"
             res = await asyncio.gather(*jobs)
         for r in res:
             assert r["error"] is None and r["done"], r
-            assert r["tokens"] == 200 and r["meta"]["finish_reason"] == "length"
+            assert r["tokens"] == 1000 and r["meta"]["finish_reason"] == "length"
         assert srv.proc.wait(30) == 0, srv.log()
     finally:
         srv.kill()
