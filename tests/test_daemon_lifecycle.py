@@ -54,7 +54,7 @@ async def test_sigterm_drains_in_flight_then_exits_0():
             async with idle.get(srv.url + "/health") as r:  # leaves a keep-alive connection open
                 assert r.status == 200
             first = asyncio.Event()
-            jobs = [asyncio.create_task(gen_stream(s, srv.url, 1000, first)) for _ in range(4)]
+            jobs = [asyncio.create_task(gen_stream(s, srv.url, 400, first)) for _ in range(4)]
             await asyncio.wait_for(first.wait(), 30)
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
@@ -67,7 +67,7 @@ async def test_sigterm_drains_in_flight_then_exits_0():
             res = await asyncio.gather(*jobs)
         for r in res:
             assert r["error"] is None and r["done"], r
-            assert r["tokens"] == 1000 and r["meta"]["finish_reason"] == "length"
+            assert r["tokens"] == 400 and r["meta"]["finish_reason"] == "length"
         assert srv.proc.wait(30) == 0, srv.log()
     finally:
         srv.kill()
@@ -129,7 +129,7 @@ async def test_queue_limit_429_with_retry_after():
     srv = ServerProc(*TINY, "--max-running-requests", "2", "--max-queued-requests", "2")
     try:
         srv.wait_healthy(60)
-        body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": [1, 2, 3], "max_tokens": 150, "ignore_eos": True, "temperature": 0}
         async with aiohttp.ClientSession() as s:
 
             async def one() -> tuple[int, dict, str | None]:
@@ -142,16 +142,16 @@ async def test_queue_limit_429_with_retry_after():
         assert len(ok) == 4 and len(busy) == 6, [r[0] for r in res]
         for _, b, retry in busy:
             assert retry == "1" and b["error"]["code"] == "queue_full" and b["error"]["type"] == "rate_limit_error"
-        assert all(b["usage"]["completion_tokens"] == 400 for _, b, _ in ok)
+        assert all(b["usage"]["completion_tokens"] == 150 for _, b, _ in ok)
         # A client-chosen rid already in flight is refused, and the request holding it is not disturbed.
-        dup = {"input_ids": [1, 2, 3], "rid": "dup", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+        dup = {"input_ids": [1, 2, 3], "rid": "dup", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
         async with aiohttp.ClientSession() as s:
             first = asyncio.create_task(s.post(srv.url + "/generate", json=dup))
             await asyncio.sleep(0.3)
             async with s.post(srv.url + "/generate", json=dup) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "rid"
             r1 = await first
-            assert r1.status == 200 and (await r1.json())["meta_info"]["completion_tokens"] == 1000
+            assert r1.status == 200 and (await r1.json())["meta_info"]["completion_tokens"] == 400
         srv.wait_pools_free()
         assert srv.terminate() == 0
     finally:
