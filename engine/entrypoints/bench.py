@@ -148,7 +148,7 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
 
     sp = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True, seed=None)
     rids = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, (rid, ids) in enumerate(zip(rids, prompts)):
         engine.add_request(rid, ids, sp.model_copy(update={"seed": seed + i}) if temperature > 0 else sp)
     toks: dict[str, list[int]] = {r: [] for r in rids}
@@ -163,14 +163,16 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
         steps += 1
         if t_prefill is None:
             if all(toks[r] for r in rids):
-                t_prefill = time.perf_counter()
+                t_prefill, c_prefill = time.perf_counter(), time.process_time()
         elif engine.scheduler.last_mode != "EXTEND":
             decode_steps += 1
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     assert t_prefill is not None
     gen = sum(len(v) for v in toks.values())
     first = len(rids)  # first tokens come out of the prefill
     res = {
+        "decode_cpu_s": c1 - c_prefill, "decode_tok_per_cpu_s": (gen - first) / max(c1 - c_prefill, 1e-9),
+        "prefill_cpu_s": c_prefill - c0,
         "prefill_s": t_prefill - t0, "decode_s": t1 - t_prefill, "total_s": t1 - t0, "tokens": gen,
         "decode_tok_s": (gen - first) / max(t1 - t_prefill, 1e-9), "e2e_tok_s": gen / (t1 - t0),
         "ms_per_step": 1000 * (t1 - t_prefill) / max(decode_steps, 1), "steps": steps, "decode_steps": decode_steps,
@@ -222,12 +224,14 @@ def run_hf(model: Any, prompts: list[list[int]], n: int, temperature: float, see
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
+    cpu: list[float] = []
 
     class Stamp(LogitsProcessor):
         """Called once per generation step, right after that step's forward."""
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
             return scores
 
     bs, lmax = len(prompts), max(len(p) for p in prompts)
@@ -240,15 +244,17 @@ def run_hf(model: Any, prompts: list[list[int]], n: int, temperature: float, see
     if temperature > 0:
         torch.manual_seed(seed)
         kw.update(temperature=temperature, top_k=0, top_p=1.0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, use_cache=True,
                              pad_token_id=pad, logits_processor=LogitsProcessorList([Stamp()]), **kw)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     gen = out[:, lmax:]
     ntok = int(gen.numel())
     tp, tl = stamps[0], stamps[-1]
     return {
+        "decode_cpu_s": c1 - cpu[0], "decode_tok_per_cpu_s": (ntok - bs) / max(c1 - cpu[0], 1e-9),
+        "prefill_cpu_s": cpu[0] - c0,
         "prefill_s": tp - t0, "decode_s": t1 - tp, "total_s": t1 - t0, "tokens": ntok,
         "decode_tok_s": (ntok - bs) / max(t1 - tp, 1e-9), "e2e_tok_s": ntok / (t1 - t0),
         "ms_per_step": 1000 * (tl - tp) / max(len(stamps) - 1, 1), "steps": len(stamps),
@@ -263,13 +269,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in best.items()}
     out["decode_tok_s_all"] = [round(r["decode_tok_s"], 3) for r in runs]
     out["decode_tok_s_median"] = round(statistics.median(r["decode_tok_s"] for r in runs), 3)
+    out["decode_tok_per_cpu_s"] = round(max(r["decode_tok_per_cpu_s"] for r in runs), 3)
     return out
 
 
 def table(res: dict[str, Any]) -> str:
     hdr = ("| batch | engine decode tok/s | HF decode tok/s | ratio | engine e2e tok/s | HF e2e tok/s "
-           "| engine ms/step | HF ms/step | engine prefill s | HF prefill s |")
-    lines = [hdr, "|" + "---:|" * 10]
+           "| engine ms/step | HF ms/step | engine prefill s | HF prefill s | engine tok/CPU-s | HF tok/CPU-s | CPU-time ratio |")
+    lines = [hdr, "|" + "---:|" * 13]
     for row in res["results"]:
         e, h = row["engine"], row.get("hf")
 
@@ -279,11 +286,13 @@ def table(res: dict[str, Any]) -> str:
         ratio = f"{e['decode_tok_s'] / h['decode_tok_s']:.2f}x" if h else "-"
         lines.append(f"| {row['batch_size']} | {f(e, 'decode_tok_s')} | {f(h, 'decode_tok_s')} | {ratio} "
                      f"| {f(e, 'e2e_tok_s')} | {f(h, 'e2e_tok_s')} | {f(e, 'ms_per_step')} | {f(h, 'ms_per_step')} "
-                     f"| {f(e, 'prefill_s', '{:.3f}')} | {f(h, 'prefill_s', '{:.3f}')} |")
+                     f"| {f(e, 'prefill_s', '{:.3f}')} | {f(h, 'prefill_s', '{:.3f}')} "
+                     f"| {f(e, 'decode_tok_per_cpu_s')} | {f(h, 'decode_tok_per_cpu_s')} "
+                     f"| {str(row['speedup_decode_cpu_time']) + 'x' if h else '-'} |")
         if "spec" in e:
             s = e["spec"]
             lines.append(f"|   spec | accept_len {s['accept_len']:.2f} | per depth {s['accepted_per_depth']} | "
-                         f"verify {s['verify_ms_per_iter']:.1f} ms | draft {s['draft_ms_per_iter']:.1f} ms |||||")
+                         f"verify {s['verify_ms_per_iter']:.1f} ms | draft {s['draft_ms_per_iter']:.1f} ms ||||||||")
     return "\n".join(lines)
 
 
@@ -362,6 +371,9 @@ def run(a: argparse.Namespace) -> int:
             row["hf"] = summarise(hr)
             row["speedup_decode"] = round(row["engine"]["decode_tok_s"] / row["hf"]["decode_tok_s"], 3)
             row["speedup_e2e"] = round(row["engine"]["e2e_tok_s"] / row["hf"]["e2e_tok_s"], 3)
+            # per CPU second: robust to other processes taking the cores (exact with --threads 1)
+            row["speedup_decode_cpu_time"] = round(max(r["decode_tok_per_cpu_s"] for r in er)
+                                                   / max(r["decode_tok_per_cpu_s"] for r in hr), 3)
             if a.temperature == 0:  # greedy: how many rows came out token for token equal to HF's
                 row["rows_equal_hf"] = sum(x == y for x, y in zip(er[-1]["token_ids"], hr[-1]["token_ids"]))
         results.append(row)
