@@ -317,8 +317,10 @@ class EngineClient:
             if gen.proc.returncode is None:
                 with contextlib.suppress(zmq.ZMQError):
                     gen.push.send(encode(Shutdown()), zmq.NOBLOCK)
+                t0 = time.perf_counter()
                 try:
                     await asyncio.wait_for(gen.proc.wait(), timeout)
+                    log.info("engine stopped in %.2fs (exit code %s)", time.perf_counter() - t0, gen.proc.returncode)
                 except asyncio.TimeoutError:
                     log.warning("engine did not stop in %.0fs: killing it", timeout)
                     gen.proc.kill()

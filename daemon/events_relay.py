@@ -10,7 +10,6 @@ The route sits behind the API key like every other route but `/health`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -19,7 +18,7 @@ import zmq
 from aiohttp import web
 from mleagle.daemon.errors import APIError
 from mleagle.engine.event_bus import StateTracker
-from mleagle.engine.events import EVENT_TYPES, DropsEvent, dump_event
+from mleagle.engine.events import EVENT_TYPES, DropsEvent, EventError, dump_event, parse_event
 
 log = logging.getLogger("mleagle.daemon.events")
 SUB_QUEUE = 2048
@@ -47,29 +46,44 @@ class EventsRelay:
         self.subs: set[_Sub] = set()
         self.task: asyncio.Task[None] | None = None
         self.received = 0
+        self._stop = False
 
     def start(self) -> None:
+        self._stop = False
         self.task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        # No cancellation of a pending zmq.asyncio recv: with pyzmq that can wait for the next message.
+        # The loop polls with a short timeout and sees the flag instead.
+        self._stop = True
         if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), 2.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                self.task.cancel()
 
     async def _run(self) -> None:
         current = None
-        while True:
+        while not self._stop:
             sub = self.client.events
             if sub is None:
                 await asyncio.sleep(0.2)
                 continue
             try:
-                e = await asyncio.wait_for(sub.recv(), 1.0)
-            except asyncio.TimeoutError:
-                continue
-            except zmq.ZMQError:  # the engine generation ended and its socket closed
+                if not await sub.sock.poll(200, zmq.POLLIN):
+                    continue
+                frames = await sub.sock.recv_multipart(zmq.NOBLOCK)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                # The engine generation ended and its socket was closed (pyzmq cancels the pending poll
+                # future then); a cancellation of this task itself is passed on.
+                task = asyncio.current_task()
+                if task is not None and getattr(task, "cancelling", lambda: 0)():
+                    raise
                 await asyncio.sleep(0.1)
+                continue
+            try:
+                e = parse_event(frames[-1])
+            except EventError:
                 continue
             if sub is not current:
                 current, self.tracker = sub, StateTracker()  # a new engine: old state is gone

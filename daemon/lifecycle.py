@@ -11,6 +11,7 @@ dies and `server.restart_engine` is false, or it cannot start at all, the exit c
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import signal
@@ -57,6 +58,7 @@ async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # `kill -USR1 PID`: what is the daemon waiting on?
     server = getattr(site, "_server", None)
     socks = getattr(server, "sockets", None) or []
     port = socks[0].getsockname()[1] if socks else cfg.server.port
@@ -72,6 +74,7 @@ async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
             await asyncio.wait_for(srv.idle.wait(), cfg.server.shutdown_timeout_s)
         except asyncio.TimeoutError:
             log.warning("drain deadline passed with %d requests in flight: aborting them", srv.active)
+    log.info("drained; closing connections and stopping the engine")
     # Safety net: whatever happens below (a stuck close, a thread that never ends), the process exits.
     watchdog = threading.Timer(CLEANUP_S + 15, _hard_exit, (code[0],))
     watchdog.daemon = True
@@ -85,6 +88,14 @@ async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
             gen.proc.kill()
     log.info("stopped (exit code %d)", code[0])
     return code[0]
+
+
+def dump_tasks() -> None:
+    """Log every asyncio task and where it waits (for a server that seems stuck)."""
+    for t in asyncio.all_tasks():
+        buf = io.StringIO()
+        t.print_stack(limit=12, file=buf)
+        log.warning("task %s:\n%s", t.get_name(), buf.getvalue())
 
 
 def _hard_exit(code: int) -> None:

@@ -107,10 +107,13 @@ async def test_engine_death_fails_requests_then_recovers():
         srv.wait_healthy(60)
         d = srv.engine()
         assert d["restarts"] == 1 and d["pid"] != pid
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession() as s, s.ws_connect(srv.url + "/v1/events?types=batch") as ws:
+            assert json.loads((await ws.receive(timeout=10)).data)["type"] == "snapshot"
             ok = await gen_stream(s, srv.url, 5)
+            # state events flow again from the new engine
+            assert json.loads((await ws.receive(timeout=10)).data)["type"] == "batch"
         assert ok["tokens"] == 5 and ok["meta"]["finish_reason"] == "length"
-        assert srv.terminate() == 0
+        assert srv.terminate() == 0, srv.log()
     finally:
         srv.kill()
 
@@ -153,7 +156,7 @@ async def test_queue_limit_429_with_retry_after():
             r1 = await first
             assert r1.status == 200 and (await r1.json())["meta_info"]["completion_tokens"] == 400
         srv.wait_pools_free()
-        assert srv.terminate() == 0
+        assert srv.terminate() == 0, srv.log()
     finally:
         srv.kill()
 
