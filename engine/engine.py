@@ -179,6 +179,15 @@ class Engine:
         cut = st.update(req.output_ids[st.n : n])
         return (cut.keep, cut.matched) if cut is not None else None
 
+    def stats(self) -> dict[str, Any]:
+        """Host-side counters for the daemon's gauges and /debug: queue sizes, steps, spec totals."""
+        sch = self.scheduler
+        spec = getattr(self.worker, "stats", None)
+        return {"num_running": len(sch.running), "num_waiting": len(sch.waiting), "num_steps": sch.num_steps,
+                "num_preemptions": sch.num_preemptions, "load_time_s": round(self.load_time_s, 3),
+                "spec": spec.summary() if spec is not None else None,
+                "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None)}
+
     def pool_usage(self) -> list[dict[str, Any]]:
         used_tok = self.allocator.num_used_tokens
         return [{"runner": r.name, "kv_used": used_tok, "kv_total": self.allocator.capacity_tokens,

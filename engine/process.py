@@ -178,6 +178,8 @@ class EngineLoop:
                     return 0
                 n += 1
                 timeout = 0
+            if not busy:
+                self.engine.telemetry.idle()  # status events (rates, uptime) stay current while idle
             if self.pump is not None:
                 self.pump.pump()
             if not busy and os.getppid() != self.ppid:
