@@ -1,0 +1,87 @@
+"""Measure a trained draft on MT-Bench first turns: acceptance per depth and tokens/s for target-only,
+the serving boundary-KV policy ('stale') and the reference one ('recompute'), plus greedy exactness.
+
+Every configuration runs the same prompts in the same fixed batches (one `generate` per batch, so the
+batch composition is identical across configurations), float32, greedy. Writes a JSON file.
+Example: `.venv/bin/python scripts/bench_trained_draft.py --draft results/drafts/smollm2-mtp2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from mleagle.engine.engine import Engine
+from mleagle.engine.outputs import SpecStats
+from mleagle.engine.sampling_params import SamplingParams
+
+
+def prompts(path: str, n: int) -> list[str]:
+    rows = [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def run(draft: str, boundary_kv: str, texts: list[str], bs: int, n_new: int) -> dict:
+    e = Engine(draft=draft, boundary_kv=boundary_kv, max_running_requests=bs)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n_new)
+    e.generate([texts[0]], SamplingParams(temperature=0.0, max_new_tokens=4), chat=True)  # warm-up
+    if draft != "none":
+        e.worker.stats = SpecStats(accepted_per_depth=[0] * e.worker.steps)
+        e.worker.boundary_kv_stale_positions = 0
+    toks: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(texts), bs):
+        toks += [c.token_ids for c in e.generate(texts[i : i + bs], sp, chat=True)]
+    dt = time.perf_counter() - t0
+    n = sum(len(t) for t in toks)
+    out = {"draft": draft, "boundary_kv": boundary_kv if draft != "none" else None, "tokens": n, "wall_s": round(dt, 3),
+           "tok_s": round(n / dt, 3), "token_ids": toks}
+    if draft != "none":
+        st: SpecStats = e.worker.stats
+        out |= {"spec": st.summary(), "accept_len": round(st.accept_len, 4),
+                "accept_rate_per_depth": [round(a / st.num_verify, 4) for a in st.accepted_per_depth],
+                "boundary_kv_stale_positions": e.worker.boundary_kv_stale_positions}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", default="results/drafts/smollm2-mtp2")
+    ap.add_argument("--data", default="/work/shared/data/mt_bench.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="results/tmp/bench_trained_draft.json")
+    a = ap.parse_args()
+    texts = prompts(a.data, a.num_prompts)
+    runs = [run("none", "stale", texts, a.batch_size, a.max_new_tokens),
+            run(a.draft, "stale", texts, a.batch_size, a.max_new_tokens),
+            run(a.draft, "recompute", texts, a.batch_size, a.max_new_tokens)]
+    ref = runs[0]["token_ids"]
+    for r in runs[1:]:
+        bad = [i for i, (x, y) in enumerate(zip(r["token_ids"], ref)) if x != y]
+        r["exact"] = not bad
+        r["mismatched_prompts"] = bad
+        r["first_mismatch"] = [next((j for j, (p, q) in enumerate(zip(r["token_ids"][i], ref[i])) if p != q),
+                                    min(len(r["token_ids"][i]), len(ref[i]))) for i in bad]
+    res = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                       "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "loadavg": os.getloadavg()},
+           "model": "smollm2-135m (SmolLM2-135M-Instruct GGUF, float32)", "data": f"{a.data} first turns, first {len(texts)}",
+           "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens, "temperature": 0.0,
+           "command": "scripts/bench_trained_draft.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+           "runs": runs}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    for r in runs:
+        print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
