@@ -35,11 +35,13 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(a.num_attention_heads * hd, a.hidden_size, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        t = x.shape[0]
-        q, k = self.rope(positions, q.view(t, self.hq, self.d), k.view(t, self.hk, self.d))
+        qkv = self.qkv_proj(x)
+        t, nqk = x.shape[0], (self.hq + self.hk) * self.d
+        # q and k heads are adjacent in the fused output: rotate them in one pass (same math, half the ops)
+        qk = self.rope.rotate(positions, qkv[:, :nqk].view(t, self.hq + self.hk, self.d))
+        q, k = qk[:, : self.hq], qk[:, self.hq :]
         assert batch.binding is not None
-        o = batch.binding.backend.forward(self.layer_id, q, k, v.view(t, self.hk, self.d), batch)
+        o = batch.binding.backend.forward(self.layer_id, q, k, qkv[:, nqk:].view(t, self.hk, self.d), batch)
         return self.o_proj(o)
 
 
