@@ -389,7 +389,7 @@ def run(a: argparse.Namespace) -> int:
     print(f"\nweights {w['weights_bytes'] / 2**20:.1f} MiB (tied head shared: {w['tied_head_shared']}, "
           f"params not in {a.dtype}: {len(w['params_not_in_dtype'])}), KV pool {kv['kv_pool_bytes'] / 2**20:.1f} MiB "
           f"(allocated once: {report['kv']['allocated_once']}), peak RSS engine-only {report['peak_rss_mb_engine']} MB, "
-          f"with HF {report['peak_rss_mb_total']} MB")
+          f"{'with HF' if hf is not None else 'at the end'} {report['peak_rss_mb_total']} MB")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
