@@ -56,8 +56,11 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/tmp/bench_trained_draft.json")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     texts = prompts(a.data, a.num_prompts)
     runs = [run("none", "stale", texts, a.batch_size, a.max_new_tokens),
             run(a.draft, "stale", texts, a.batch_size, a.max_new_tokens),
