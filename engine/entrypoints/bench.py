@@ -293,6 +293,11 @@ def table(res: dict[str, Any]) -> str:
             s = e["spec"]
             lines.append(f"|   spec | accept_len {s['accept_len']:.2f} | per depth {s['accepted_per_depth']} | "
                          f"verify {s['verify_ms_per_iter']:.1f} ms | draft {s['draft_ms_per_iter']:.1f} ms ||||||||")
+        if "target_only" in row:
+            t = row["target_only"]
+            lines.append(f"|   target-only | {t['decode_tok_s']:.1f} tok/s | {t['ms_per_step']:.1f} ms/step | "
+                         f"spec/target {row['spec_speedup_decode']:.2f}x | greedy rows equal "
+                         f"{row.get('rows_equal_target_only', '-')}/{row['batch_size']} ||||||||")
     return "\n".join(lines)
 
 
@@ -337,6 +342,11 @@ def run(a: argparse.Namespace) -> int:
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
     engine = Engine(cfg, **over)
+    # With a draft, the target-only engine runs beside it in the same process: the speculative
+    # figure's baseline (and a greedy-exactness check) comes from the same run.
+    target = None
+    if a.draft not in (None, "", "none"):
+        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")})
     report["engine_load_s"] = round(engine.load_time_s, 3)
     report["weights"] = weight_report(engine)
     kv, kv_ptrs = kv_report(engine)
@@ -349,6 +359,8 @@ def run(a: argparse.Namespace) -> int:
     # Warm up the engine at every batch size (short), then record the engine-only memory peak.
     for bs in sizes:
         run_engine(engine, batch(bs), 4, a.temperature, a.seed)
+        if target is not None:
+            run_engine(target, batch(bs), 4, a.temperature, a.seed)
     report["peak_rss_mb_engine"] = round(peak_rss_mb(), 1)
     hf = None
     if not a.skip_hf:
@@ -360,13 +372,20 @@ def run(a: argparse.Namespace) -> int:
             run_hf(hf, batch(bs), 4, a.temperature, a.seed, pad)
     results = []
     for bs in sizes:
-        er, hr = [], []
+        er, hr, tr = [], [], []
         for _ in range(a.repeats):
             er.append(run_engine(engine, batch(bs), a.max_new_tokens, a.temperature, a.seed))
+            if target is not None:
+                tr.append(run_engine(target, batch(bs), a.max_new_tokens, a.temperature, a.seed))
             if hf is not None:
                 hr.append(run_hf(hf, batch(bs), a.max_new_tokens, a.temperature, a.seed, pad))
         row: dict[str, Any] = {"batch_size": bs, "prompt_tokens": [len(p) for p in batch(bs)],
                                "engine": summarise(er)}
+        if target is not None:
+            row["target_only"] = summarise(tr)
+            row["spec_speedup_decode"] = round(row["engine"]["decode_tok_s"] / row["target_only"]["decode_tok_s"], 3)
+            if a.temperature == 0:
+                row["rows_equal_target_only"] = sum(x == y for x, y in zip(er[-1]["token_ids"], tr[-1]["token_ids"]))
         if hf is not None:
             row["hf"] = summarise(hr)
             row["speedup_decode"] = round(row["engine"]["decode_tok_s"] / row["hf"]["decode_tok_s"], 3)
