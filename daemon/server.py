@@ -17,7 +17,6 @@ import hmac
 import json
 import logging
 import os
-import resource
 import sys
 import time
 import uuid
@@ -33,6 +32,7 @@ from mleagle.daemon.metrics import Metrics
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
 from mleagle.engine.config import MleagleConfig
 from mleagle.engine.outputs import TokenLogprob
+from mleagle.engine.protocol import peak_rss_mb
 from mleagle.engine.sampling_params import SamplingParams
 from pydantic import BaseModel, ValidationError
 
@@ -539,7 +539,7 @@ async def debug_engine(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"state": c.state, "pid": c.engine_pid, "restarts": c.restarts, "error": c.error,
                             "inflight": c.num_inflight, "active_http": srv.active,
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
-                                       "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}
+                                       "max_rss_mb": peak_rss_mb()}}
     if c.state == "ready":
         try:
             p = await c.ping(timeout=5.0)

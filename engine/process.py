@@ -17,7 +17,6 @@ import ctypes
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -40,6 +39,7 @@ from mleagle.engine.protocol import (
     Shutdown,
     decode_daemon_msg,
     encode,
+    peak_rss_mb,
 )
 
 log = logging.getLogger("mleagle.engine.process")
@@ -130,7 +130,7 @@ class EngineLoop:
                 stats = _jsonable(self.engine.stats())
             except Exception:
                 log.error("stats failed:\n%s", traceback.format_exc())
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss = peak_rss_mb()
         return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats, max_rss_mb=rss)
 
     def step(self) -> int | None:

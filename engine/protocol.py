@@ -125,3 +125,18 @@ def decode_daemon_msg(data: bytes) -> AddRequest | AbortRequest | Ping | Shutdow
 
 def decode_engine_msg(data: bytes) -> Ready | Outputs | RequestError | Pong | Fatal:
     return _decode(_engine_msg, data)
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that over an
+    exec from the forking parent, so a server started from a big process would report the parent's."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
