@@ -16,40 +16,15 @@ from collections.abc import Sequence
 
 import torch
 from mleagle.engine.engine import Engine
-from mleagle.engine.model_loader import load_model
+from mleagle.engine.entrypoints.bench import hf_build
 from mleagle.engine.request import Req
 from mleagle.engine.sampling_params import SamplingParams
 
 
-def hf_config(engine: Engine):
-    from transformers import LlamaConfig
-
-    a = engine.arch
-    eos = a.eos_ids[0] if a.eos_ids else None
-    return LlamaConfig(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
-        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
-        rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=a.tie_word_embeddings, attention_bias=a.attention_bias,
-        bos_token_id=a.bos_token_id, eos_token_id=eos, pad_token_id=eos,
-    )
-
-
 def hf_model(engine: Engine, dtype: torch.dtype = torch.float32):
     """HF Llama with the engine's weights (same loader, same dequantised tensors), in eval mode."""
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
-    cfg = hf_config(engine)
-    cfg._attn_implementation = "sdpa"
-    m = LlamaForCausalLM(cfg).to(dtype).eval()
-    w = load_model(engine.cfg.model, dtype).weights
-    if engine.arch.tie_word_embeddings:
-        w["lm_head.weight"] = w["model.embed_tokens.weight"]
-    m.load_state_dict(w, strict=True)
-    m.tie_weights()
-    return m
+    return hf_build(engine, dtype)
 
 
 @torch.inference_mode()

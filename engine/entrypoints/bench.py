@@ -193,7 +193,9 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
     return res
 
 
-def hf_build(engine: Any) -> Any:
+def hf_build(engine: Any, dtype: Any = None) -> Any:
+    """HF transformers' LlamaForCausalLM with the engine's own dequantised weights (the baseline of the
+    benchmark and the reference of the exactness tests)."""
     from mleagle.engine.model_loader import load_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -210,8 +212,9 @@ def hf_build(engine: Any) -> Any:
     if a.rope_scaling is not None:
         cfg.rope_scaling = {**a.rope_scaling.model_dump(), "rope_theta": a.rope_theta}
     cfg._attn_implementation = "sdpa"
-    m = LlamaForCausalLM(cfg).to(engine.dtype).eval()
-    w = load_model(engine.cfg.model, engine.dtype).weights
+    dtype = dtype or engine.dtype
+    m = LlamaForCausalLM(cfg).to(dtype).eval()
+    w = load_model(engine.cfg.model, dtype).weights
     if a.tie_word_embeddings:
         w["lm_head.weight"] = w["model.embed_tokens.weight"]
     m.load_state_dict(w, strict=True)
