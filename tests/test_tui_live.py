@@ -26,7 +26,7 @@ from tests.daemon_helpers import ServerProc
 
 REAL = Path(__file__).parent / "data" / "events_real.jsonl"
 SIZE = (120, 36)
-STOP = 470  # mid second wave: three requests decoding, three finished, acceptance and pools populated
+STOP = 385  # mid second wave: three requests decoding, three finished, acceptance and pools populated
 RUNNERS = {"target", "draft0", "draft1"}
 
 
