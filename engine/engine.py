@@ -10,7 +10,6 @@ so it never harms other requests.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -261,6 +260,3 @@ class Engine:
                 return cut.text
         return self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
 
-
-def default_threads() -> int:
-    return int(os.environ.get("MLEAGLE_THREADS", "0")) or torch.get_num_threads()

@@ -41,7 +41,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_mode: str = "IDLE"
         self.last_step_time = 0.0
-        self.on_finish: Callable[[Req], None] | None = None
         self.pending: list[RequestOutput] = []  # deltas produced outside the step's forward (errors)
 
     # --- requests in and out ---------------------------------------------------------------
@@ -65,8 +64,6 @@ class Scheduler:
         self.mem.release(req)
         if req in self.running:
             self.running.remove(req)
-        if self.on_finish:
-            self.on_finish(req)
 
     # --- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
