@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, rows: Sequence[RowInfo]) -> list[int]:
         if r.params.greedy:
             out.append(int(x[i].argmax()))
         else:
-            e = rng.exponential(r.seed, r.pos, probs.shape[1], rng.STREAM_TOKEN)
+            e = rng.exponential(r.seed, r.pos, probs.shape[1], rng.STREAM_TOKEN).to(probs.device)
             out.append(int((probs[i] / e).argmax()))
     return out
 
@@ -70,7 +70,7 @@ def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int
     if maxn:
         tv, ti = lp.topk(maxn, dim=-1)
         tv, ti = tv.tolist(), ti.tolist()
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want]).view(-1, 1)).view(-1).tolist()
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device).view(-1, 1)).view(-1).tolist()
     for j, i in enumerate(want):
         n = int(top_n[i] or 0)
         top = list(zip(ti[j][:n], tv[j][:n])) if n else []

@@ -151,7 +151,7 @@ class SpecWorker(TargetWorker):
                 continue
             st: DraftState = r.draft_state
             pos = r.kv_len - len(r.prompt_ids) + 1 + k  # output index this draft proposes (the bonus sits at kv_len)
-            e = rng.exponential(r.seed, pos, probs.shape[1], rng.STREAM_DRAFT, st.iters)
+            e = rng.exponential(r.seed, pos, probs.shape[1], rng.STREAM_DRAFT, st.iters).to(logits.device)
             toks.append(int((probs[i] / e).argmax()))
             qs.append(probs[i])
         return toks, qs
@@ -266,9 +266,9 @@ class SpecWorker(TargetWorker):
             res = torch.clamp(p[j] - (st.q[j] if st.q is not None else 0), min=0)
             if float(res.sum()) <= 0:
                 res = p[j]
-            e = rng.exponential(r.seed, o + j, res.shape[0], rng.STREAM_RESIDUAL, st.iters)
+            e = rng.exponential(r.seed, o + j, res.shape[0], rng.STREAM_RESIDUAL, st.iters).to(logits.device)
             return drafts[:j] + [int((res / e).argmax())]
-        e = rng.exponential(r.seed, o + s, p.shape[1], rng.STREAM_TOKEN, st.iters)
+        e = rng.exponential(r.seed, o + s, p.shape[1], rng.STREAM_TOKEN, st.iters).to(logits.device)
         return drafts + [int((p[s] / e).argmax())]
 
     def _account(self, reqs: list[Req], accepted: list[int], verify_s: float, draft_s: float) -> None:
