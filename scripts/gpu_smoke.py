@@ -46,6 +46,7 @@ def main() -> int:
     for e in (cpu, gpu):
         e.add_request("r", PROMPTS[2], SamplingParams(max_new_tokens=2, temperature=0))
         req = e.scheduler.reqs["r"]
+        assert e.mem.ensure(req, len(PROMPTS[2]))  # the slots a scheduled prefill would hold
         b = e.worker.prefill_batch([req], [len(PROMPTS[2])])
         outs.append(e.target.forward(b).logits.cpu())
     rel = float((outs[0] - outs[1]).norm() / outs[0].norm())
