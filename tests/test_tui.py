@@ -6,7 +6,6 @@ test stops and restarts. The TUI must import without torch (checked in a subproc
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import shutil
 import subprocess
@@ -16,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import textual.constants
 from aiohttp import web
 from mleagle.engine.events import (
     BatchEvent,
@@ -30,35 +28,13 @@ from mleagle.tui.app import HelpScreen, MleagleTui, build_app
 from mleagle.tui.model import Dashboard
 from mleagle.tui.panels.requests import RequestScreen
 from mleagle.tui.source import LiveSource, ReplaySource, Status, events_url
-from rich.console import Console
 from textual.pilot import Pilot
 from textual.widgets import DataTable
 
+from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
+
 SAMPLE = Path(__file__).parent / "data" / "events_sample.jsonl"
-SIZE = (120, 36)
 STOP = 300  # snapshot index: mid-session, after the injected logprob mismatch, with one request running
-
-
-def screen_text(app: MleagleTui) -> str:
-    """The current screen as plain text (what the SVG shows, without styles)."""
-    c = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), record=True,
-                force_terminal=True)
-    c.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
-    return c.export_text()
-
-
-@pytest.fixture(autouse=True)
-def _no_animations(monkeypatch: pytest.MonkeyPatch) -> None:
-    # tab underline animations make every key press wait; they add nothing to what is tested
-    monkeypatch.setattr(textual.constants, "TEXTUAL_ANIMATIONS", "none")
-
-
-async def until(pilot: Pilot, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    t = 0.0
-    while not cond():
-        assert t < timeout, "condition not reached in time"
-        await pilot.pause(0.02)
-        t += 0.02
 
 
 # --- torch-free ----------------------------------------------------------------------------------
@@ -202,22 +178,11 @@ async def test_missing_recording_shows_error(tmp_path: Path) -> None:
 
 
 def snap_app() -> MleagleTui:
-    return MleagleTui(ReplaySource(SAMPLE, speed=0, stop_at=STOP))
+    return replay_app(SAMPLE, STOP)
 
 
 def before(*keys: str) -> Callable[[Pilot], object]:
-    async def run(pilot: Pilot) -> None:
-        app = pilot.app
-        assert isinstance(app, MleagleTui)
-        await until(pilot, lambda: app.source.paused and app.source.delivered == STOP)
-        for k in keys:
-            await pilot.press(k)
-            await pilot.pause()
-        app.refresh_view(force=True)
-        await pilot.pause()
-        await pilot.pause()
-
-    return run
+    return paused_at(STOP, *keys)
 
 
 @pytest.mark.parametrize("key, tab", [("1", "overview"), ("2", "batches"), ("3", "pools"), ("4", "graphs"),

@@ -8,45 +8,28 @@ same port.
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
-import textual.constants
 from mleagle.engine.events import read_recording
 from mleagle.tui.app import MleagleTui
 from mleagle.tui.model import Dashboard
-from mleagle.tui.source import LiveSource, ReplaySource
-from rich.console import Console
+from mleagle.tui.source import LiveSource
 from textual.pilot import Pilot
 
 from tests.daemon_helpers import ServerProc
+from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
 
 REAL = Path(__file__).parent / "data" / "events_real.jsonl"
-SIZE = (120, 36)
 STOP = 385  # mid second wave: three requests decoding, three finished, acceptance and pools populated
 RUNNERS = {"target", "draft0", "draft1"}
 
 
-@pytest.fixture(autouse=True)
-def _no_animations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(textual.constants, "TEXTUAL_ANIMATIONS", "none")
-
-
-def screen_text(app: MleagleTui) -> str:
-    c = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), record=True, force_terminal=True)
-    c.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
-    return c.export_text()
-
-
-async def until(pilot: Pilot, cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    t = 0.0
-    while not cond():
-        assert t < timeout, "condition not reached in time"
-        await pilot.pause(0.05)
-        t += 0.05
+async def until_live(pilot: Pilot, cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """A live daemon answers slower than a replay: wait longer, poll less often."""
+    await until(pilot, cond, timeout, step=0.05)
 
 
 # --- the real recording ---------------------------------------------------------------------------
@@ -70,22 +53,11 @@ def test_real_recording_is_consistent() -> None:
 
 
 def snap_app() -> MleagleTui:
-    return MleagleTui(ReplaySource(REAL, speed=0, stop_at=STOP))
+    return replay_app(REAL, STOP)
 
 
 def before(*keys: str) -> Callable[[Pilot], object]:
-    async def run(pilot: Pilot) -> None:
-        app = pilot.app
-        assert isinstance(app, MleagleTui)
-        await until(pilot, lambda: app.source.paused and app.source.delivered == STOP)
-        for k in keys:
-            await pilot.press(k)
-            await pilot.pause()
-        app.refresh_view(force=True)
-        await pilot.pause()
-        await pilot.pause()
-
-    return run
+    return paused_at(STOP, *keys)
 
 
 @pytest.mark.parametrize("key, tab", [("1", "overview"), ("2", "batches"), ("3", "pools"), ("4", "graphs"),
@@ -131,10 +103,10 @@ async def test_app_against_live_daemon() -> None:
     try:
         app = MleagleTui(LiveSource(srv.url), refresh_s=0.05)
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: app.model.by_type["snapshot"] == 1)
+            await until_live(pilot, lambda: app.model.by_type["snapshot"] == 1)
             await send_until_seen(pilot, app, srv.url)
             m = app.model
-            await until(pilot, lambda: bool(m.requests) and all(r.state == "finished" for r in m.requests.values())
+            await until_live(pilot, lambda: bool(m.requests) and all(r.state == "finished" for r in m.requests.values())
                         and set(m.tracker.pools) == RUNNERS
                         and all(p.kv_used == 0 for p in m.tracker.pools.values()))
             assert m.by_type["batch"] > 0 and m.by_type["pool"] > 0 and m.by_type["logprob_meta"] > 0
@@ -161,15 +133,15 @@ async def test_app_reconnects_after_daemon_restart() -> None:
         src = LiveSource(a.url, backoff=0.1, backoff_max=0.5)
         app = MleagleTui(src, refresh_s=0.05)
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, lambda: src.connects == 1 and app.model.events > 0)
+            await until_live(pilot, lambda: src.connects == 1 and app.model.events > 0)
             await send_until_seen(pilot, app, a.url)
             a.kill()  # the whole daemon goes, not just its engine
-            await until(pilot, lambda: app.conn_status.state == "reconnecting")
+            await until_live(pilot, lambda: app.conn_status.state == "reconnecting")
             await pilot.pause(0.1)
             assert "disconnected" in screen_text(app)
             b = await asyncio.to_thread(start, "--port", port)
             assert b.url == a.url
-            await until(pilot, lambda: src.connects == 2 and app.conn_status.state == "connected", timeout=30)
+            await until_live(pilot, lambda: src.connects == 2 and app.conn_status.state == "connected", timeout=30)
             seen = app.model.by_type["acceptance"]
             await send_until_seen(pilot, app, b.url)
             assert app.model.by_type["acceptance"] > seen and app.model.by_type["snapshot"] == 2
