@@ -159,6 +159,17 @@ def runner_order(name: str) -> tuple[int, int, str]:
     return (2, 0, name)
 
 
+def _attach(sock: zmq.Socket, address: str, bind: bool) -> str:
+    """Bind (returning the actual endpoint, e.g. the port a `tcp://...:0` got) or connect."""
+    import zmq  # lazily, like the classes below
+
+    if bind:
+        sock.bind(address)
+        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sock.connect(address)
+    return address
+
+
 class ZmqEventPublisher:
     """PUB socket for the engine process: each event is a 2-frame message [type, JSON].
 
@@ -176,12 +187,7 @@ class ZmqEventPublisher:
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.XPUB_NODROP, 1)
-        if bind:
-            self.sock.bind(address)
-            self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        else:
-            self.sock.connect(address)
-            self.address = address
+        self.address = _attach(self.sock, address, bind)
         self.dropped: Counter[str] = Counter()
         self.sent = 0
 
@@ -225,12 +231,7 @@ class ZmqEventSubscriber:
         self.sock.setsockopt(zmq.LINGER, 0)
         for t in types or [""]:
             self.sock.setsockopt(zmq.SUBSCRIBE, t.encode())
-        if bind:
-            self.sock.bind(address)
-            self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        else:
-            self.sock.connect(address)
-            self.address = address
+        self.address = _attach(self.sock, address, bind)
         self.malformed = 0
 
     async def recv(self) -> Event:
