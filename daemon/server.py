@@ -214,6 +214,17 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise from_validation(e) from None
 
 
+async def admit(request: web.Request, model: type[BaseModel]) -> tuple[Server, Any]:
+    """The checks every generation route starts with: body, schema, values, served model, engine up."""
+    srv = request.app[SRV]
+    req = parse(model, await read_json(request, srv))
+    req.check()
+    if hasattr(req, "model"):
+        srv.check_model(req.model)
+    srv.check_ready()
+    return srv, req
+
+
 def sampling(req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
     try:
         return to_sampling_params(req, budget, index)
@@ -303,11 +314,7 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    srv = request.app[SRV]
-    req: CompletionRequest = parse(CompletionRequest, await read_json(request, srv))
-    req.check()
-    srv.check_model(req.model)
-    srv.check_ready()
+    srv, req = await admit(request, CompletionRequest)
     p = req.prompt
     if isinstance(p, str):
         prompts = [await srv.aencode(p, True)]
@@ -327,11 +334,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    srv = request.app[SRV]
-    req: ChatRequest = parse(ChatRequest, await read_json(request, srv))
-    req.check()
-    srv.check_model(req.model)
-    srv.check_ready()
+    srv, req = await admit(request, ChatRequest)
     tok = srv.need_tokenizer("chat")
     try:
         text = tok.apply_chat_template(req.messages_dicts(), add_generation_prompt=req.add_generation_prompt)
@@ -457,10 +460,7 @@ class _chat_format(_Format):
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """Native endpoint: `{"text" | "input_ids", "sampling_params": {...}, "stream"}`."""
-    srv = request.app[SRV]
-    req: GenerateRequest = parse(GenerateRequest, await read_json(request, srv))
-    req.check()
-    srv.check_ready()
+    srv, req = await admit(request, GenerateRequest)
     ids = await srv.aencode(req.text, True) if req.text is not None else srv.check_ids(req.input_ids or [])
     sp = dict(req.sampling_params)
     try:
