@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The most draft steps an engine runs; slot maps and the RoPE table reach this far past the context.
+MAX_SPEC_STEPS = 16
 
 
 class RopeScaling(BaseModel):
@@ -103,7 +105,7 @@ class EngineConfig(BaseModel):
     chunked_prefill_size: int = Field(512, ge=0)  # per-step prefill token budget; 0 = no chunking
     max_prefill_tokens: int = Field(4096, ge=16)  # cap on one EXTEND forward's tokens when not chunking
     draft: str = "none"  # PATH | random:S[:seed] | none
-    spec_steps: int | None = Field(None, ge=1)
+    spec_steps: int | None = Field(None, ge=1, le=MAX_SPEC_STEPS)
     # "stale": draft layers keep boundary KV computed from drafts (the serving policy);
     # "recompute": every draft layer re-runs over the whole sequence each iteration (reference, slow).
     boundary_kv: Literal["stale", "recompute"] = "stale"

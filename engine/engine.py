@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from mleagle.engine.attention.torch_native import TorchNativeBackend
-from mleagle.engine.config import EngineConfig, MleagleConfig, load_config
+from mleagle.engine.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
 from mleagle.engine.detokenizer import StopChecker
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
@@ -29,7 +29,7 @@ from mleagle.engine.models.llama import LlamaForCausalLM
 from mleagle.engine.outputs import RequestOutput, SpecStats, TokenLogprob
 from mleagle.engine.request import Req
 from mleagle.engine.runner import ModelRunner
-from mleagle.engine.sampling.rng import _mix
+from mleagle.engine.sampling.rng import mix
 from mleagle.engine.sampling_params import SamplingParams
 from mleagle.engine.scheduler import Scheduler
 from mleagle.engine.telemetry import Telemetry
@@ -37,8 +37,8 @@ from mleagle.engine.tokenizer import Tokenizer
 from mleagle.engine.worker import TargetWorker
 
 # A verify window reaches S positions past a request's last token, so the slot maps and the RoPE table
-# extend past the context limit by the largest S a draft may have (16) plus the bonus row.
-LOOKAHEAD_MARGIN = 17
+# extend past the context limit by the largest S an engine runs plus the bonus row.
+LOOKAHEAD_MARGIN = MAX_SPEC_STEPS + 1
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,9 +75,9 @@ def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: 
 class Engine:
     def __init__(self, config: MleagleConfig | str | None = None, **engine_overrides: Any):
         cfg = config if isinstance(config, MleagleConfig) else load_config(config)
-        if engine_overrides:
-            cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update=engine_overrides)})
-            cfg.engine = EngineConfig.model_validate(cfg.engine.model_dump())
+        if engine_overrides:  # validated like a config file's [engine] table
+            engine = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine_overrides})
+            cfg = cfg.model_copy(update={"engine": engine})
         self.cfg = cfg
         e = cfg.engine
         if e.device == "cuda" and not torch.cuda.is_available():
@@ -153,7 +153,7 @@ class Engine:
             raise EngineInputError(f"the request needs up to {need} KV slots; the pool holds {self.allocator.capacity_tokens}")
         if params.stop and self.tokenizer is None:
             raise EngineInputError("stop strings need a tokenizer; this model has none")
-        seed = params.seed if params.seed is not None else _mix(self.cfg.engine.seed, next(self._seeds))
+        seed = params.seed if params.seed is not None else mix(self.cfg.engine.seed, next(self._seeds))
         req = Req(rid, ids, params, seed)
         if params.stop and self.tokenizer is not None:
             req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)

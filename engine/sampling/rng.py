@@ -14,7 +14,7 @@ STREAM_TOKEN, STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL = 0, 1, 2, 3
 _M = (1 << 64) - 1
 
 
-def _mix(*xs: int) -> int:
+def mix(*xs: int) -> int:
     """SplitMix64 over the inputs: a well-spread 63-bit seed for torch.Generator."""
     h = 0x9E3779B97F4A7C15
     for x in xs:
@@ -30,7 +30,7 @@ def _mix(*xs: int) -> int:
 def generator(seed: int, pos: int, stream: int = STREAM_TOKEN, it: int = 0) -> torch.Generator:
     """`it` separates repeated draws for the same position (speculative iterations re-draft it)."""
     g = torch.Generator()
-    g.manual_seed(_mix(seed, pos, stream, it))
+    g.manual_seed(mix(seed, pos, stream, it))
     return g
 
 

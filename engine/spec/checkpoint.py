@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import torch
-from mleagle.engine.config import ModelArch
+from mleagle.engine.config import MAX_SPEC_STEPS, ModelArch
 from mleagle.engine.spec.draft_model import DraftStack, MTPLayer
 
 FORMAT = "mleagle-mtp"
@@ -34,8 +34,8 @@ def parse_spec(spec: str) -> tuple[str, int | None, int, bool]:
             seed = int(parts[2]) if len(parts) > 2 else 0
         except (IndexError, ValueError):
             raise ValueError(f"bad draft spec {spec!r}: expected random:S[:seed[:nochain]]") from None
-        if not 1 <= s <= 16 or len(parts) > 4 or (len(parts) == 4 and parts[3] not in ("chain", "nochain")):
-            raise ValueError(f"bad draft spec {spec!r}: expected random:S[:seed[:nochain]] with S in 1..16")
+        if not 1 <= s <= MAX_SPEC_STEPS or len(parts) > 4 or (len(parts) == 4 and parts[3] not in ("chain", "nochain")):
+            raise ValueError(f"bad draft spec {spec!r}: expected random:S[:seed[:nochain]] with S in 1..{MAX_SPEC_STEPS}")
         return "random", s, seed, not (len(parts) == 4 and parts[3] == "nochain")
     return "path", None, 0, True
 

@@ -303,6 +303,7 @@ class SpecWorker(TargetWorker):
 def build_spec_worker(engine: object) -> SpecWorker:
     """Build the draft stack named by `engine.cfg.engine.draft` and one runner per step, each with its
     own one-layer KV pool, request-to-token map and backend, registered with the memory manager."""
+    from mleagle.engine.config import MAX_SPEC_STEPS
     from mleagle.engine.engine import EngineInputError, build_runner
     from mleagle.engine.spec.checkpoint import load_layer, parse_spec, random_layer_weights, read_draft
     from mleagle.engine.spec.draft_model import DraftStack
@@ -325,7 +326,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:
             raise EngineInputError(f"draft {ecfg.draft}: hidden/vocab ({darch.hidden_size}/{darch.vocab_size}) do not "
                                    f"match the target ({arch.hidden_size}/{arch.vocab_size})")
-    steps = ecfg.spec_steps or len(layers)
+    steps = ecfg.spec_steps or min(len(layers), MAX_SPEC_STEPS)
     if steps > len(layers):
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     model = e.model  # type: ignore[attr-defined]
