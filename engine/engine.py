@@ -248,14 +248,15 @@ class Engine:
                 c.timings["e2e_s"] = time.perf_counter() - t0
         plist = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
         for i, c in res.items():
-            c.text = self.detokenize(c.token_ids, plist[i])
+            c.text = self.detokenize(c.token_ids, plist[i], c.prompt_ids)
         return [res[i] for i in range(len(prompts))]
 
-    def detokenize(self, ids: list[int], sp: SamplingParams) -> str:
+    def detokenize(self, ids: list[int], sp: SamplingParams, prompt_ids: Sequence[int] = ()) -> str:
+        """Output text as the scheduler saw it: the same prompt context, cut before a stop string."""
         if self.tokenizer is None:
             return ""
         if sp.stop:
-            cut = StopChecker(self.tokenizer, sp.stop, (), sp.skip_special_tokens).update(ids)
+            cut = StopChecker(self.tokenizer, sp.stop, prompt_ids, sp.skip_special_tokens).update(ids)
             if cut is not None:
                 return cut.text
         return self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
