@@ -17,6 +17,7 @@ import pytest
 from tests.daemon_helpers import ServerProc
 
 TINY = ("--config", "tiny-dummy", "--threads", "1")  # one OMP thread: 10x faster on a busy 2-core box
+DRAIN_TOKENS = 1000  # tiny-dummy's context is 1024
 
 
 async def gen_stream(s: aiohttp.ClientSession, url: str, n: int, first: asyncio.Event | None = None) -> dict:
@@ -54,7 +55,9 @@ async def test_sigterm_drains_in_flight_then_exits_0():
             async with idle.get(srv.url + "/health") as r:  # leaves a keep-alive connection open
                 assert r.status == 200
             first = asyncio.Event()
-            jobs = [asyncio.create_task(gen_stream(s, srv.url, 400, first)) for _ in range(4)]
+            # Enough work (8 x 1000 tokens, the pool holds it) that the drain outlasts the checks below;
+            # 4 x 400 could finish first on an idle machine, and the server would be gone before them.
+            jobs = [asyncio.create_task(gen_stream(s, srv.url, DRAIN_TOKENS, first)) for _ in range(8)]
             await asyncio.wait_for(first.wait(), 30)
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
@@ -67,7 +70,7 @@ async def test_sigterm_drains_in_flight_then_exits_0():
             res = await asyncio.gather(*jobs)
         for r in res:
             assert r["error"] is None and r["done"], r
-            assert r["tokens"] == 400 and r["meta"]["finish_reason"] == "length"
+            assert r["tokens"] == DRAIN_TOKENS and r["meta"]["finish_reason"] == "length"
         assert srv.proc.wait(30) == 0, srv.log()
     finally:
         srv.kill()
