@@ -1,1 +1,1 @@
-"""Bundled configurations (TOML), validated by mleagle.engine.config."""
+"""Bundled configurations (TOML), validated by mleagle.engine.contract.config."""

@@ -5,7 +5,7 @@ flag overrides one field of it, and the result is validated by the same pydantic
 value fails with the field's name before anything starts. `--model` swaps the `[model]` section for
 another bundled config, TOML, GGUF file or HF directory. `--api-key` may also come from
 `MLEAGLE_API_KEY` (keeps it out of `ps`). The daemon itself never imports torch: the engine runs in
-its own process (`mleagle.engine.process`).
+its own process (`mleagle.engine.service.process`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import os
 import sys
 from typing import Any
 
-from mleagle.engine.config import MleagleConfig, load_config
 from pydantic import ValidationError
+
+from mleagle.engine.contract.config import MleagleConfig, load_config
 
 # flag -> (section, field)
 OVERRIDES: dict[str, tuple[str, str]] = {

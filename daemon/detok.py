@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mleagle.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from mleagle.engine.contract.detokenizer import IncrementalDetokenizer, StopMatcher
 
 
 class TextAssembler:

@@ -1,7 +1,7 @@
 """The daemon's side of the engine: spawn and supervise the engine process, route its outputs.
 
 `EngineClient.start()` creates a private 0700 run dir, binds a PUSH (requests) and a PULL (outputs)
-socket there per engine generation, spawns `python -m mleagle.engine.process` and waits for its
+socket there per engine generation, spawns `python -m mleagle.engine.service.process` and waits for its
 `Ready`. Each request registers a sink (an asyncio queue shared by the n choices of one HTTP request)
 and gets its `RequestOutput` deltas there as `(tag, output)`; an engine-side refusal arrives as
 `(tag, EngineRequestFailed)`. If the process dies, every request in flight gets an `EngineDead`
@@ -27,9 +27,10 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from mleagle.engine.config import MleagleConfig
-from mleagle.engine.outputs import RequestOutput
-from mleagle.engine.protocol import (
+
+from mleagle.engine.contract.config import MleagleConfig
+from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
@@ -43,7 +44,7 @@ from mleagle.engine.protocol import (
     decode_engine_msg,
     encode,
 )
-from mleagle.engine.sampling_params import SamplingParams
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 log = logging.getLogger("mleagle.daemon.engine")
 
@@ -63,7 +64,7 @@ class EngineRequestFailed(Exception):
 
 
 def load_tokenizer(path: str) -> Any:
-    from mleagle.engine.tokenizer import Tokenizer
+    from mleagle.engine.contract.tokenizer import Tokenizer
 
     return Tokenizer.load(path)
 
@@ -172,12 +173,12 @@ class EngineClient:
         pull.bind(out_addr)
         # The daemon binds the SUB side and the engine's PUB connects to it before it even loads the
         # model: the subscription is in place before the first event (no slow-joiner loss).
-        from mleagle.engine.event_bus import ZmqEventSubscriber
+        from mleagle.engine.contract.event_bus import ZmqEventSubscriber
 
         events = ZmqEventSubscriber(ev_addr, bind=True, ctx=self.ctx)
         cfg_file = Path(d) / f"g{n}-config.json"
         cfg_file.write_text(self.cfg.model_dump_json())
-        cmd = [sys.executable, "-m", "mleagle.engine.process", "--config-file", str(cfg_file), "--run-dir", d,
+        cmd = [sys.executable, "-m", "mleagle.engine.service.process", "--config-file", str(cfg_file), "--run-dir", d,
                "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr, "--parent-pid", str(os.getpid())]
         # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
         proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)

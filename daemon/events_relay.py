@@ -16,9 +16,10 @@ from typing import Any
 
 import zmq
 from aiohttp import web
+
 from mleagle.daemon.errors import APIError
-from mleagle.engine.event_bus import StateTracker
-from mleagle.engine.events import EVENT_TYPES, DropsEvent, EventError, dump_event, parse_event
+from mleagle.engine.contract.event_bus import StateTracker
+from mleagle.engine.contract.events import EVENT_TYPES, DropsEvent, EventError, dump_event, parse_event
 
 log = logging.getLogger("mleagle.daemon.events")
 SUB_QUEUE = 2048

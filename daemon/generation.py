@@ -21,8 +21,8 @@ from mleagle.daemon.detok import TextAssembler
 from mleagle.daemon.engine_client import EngineClient, EngineDead, EngineRequestFailed, EngineUnavailable
 from mleagle.daemon.errors import APIError
 from mleagle.daemon.metrics import Metrics
-from mleagle.engine.outputs import RequestOutput, SpecStats, TokenLogprob
-from mleagle.engine.sampling_params import SamplingParams
+from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 
 @dataclass

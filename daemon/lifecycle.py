@@ -20,8 +20,9 @@ import threading
 import time
 
 from aiohttp import web
+
 from mleagle.daemon.server import SRV, create_app
-from mleagle.engine.config import MleagleConfig
+from mleagle.engine.contract.config import MleagleConfig
 
 log = logging.getLogger("mleagle.daemon")
 CLEANUP_S = 30  # closing connections (2 s) and stopping the engine (10 s, then kill) fit well inside

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mleagle.engine.outputs import SpecStats
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -22,6 +21,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+from mleagle.engine.contract.outputs import SpecStats
 
 disable_created_metrics()  # the *_created series only double the scrape size
 P = "mleagle:"

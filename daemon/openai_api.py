@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from mleagle.daemon.errors import APIError
-from mleagle.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from mleagle.daemon.errors import APIError
+from mleagle.engine.contract.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 

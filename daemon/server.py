@@ -24,17 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
 from mleagle.daemon.engine_client import EngineClient, EngineUnavailable
 from mleagle.daemon.errors import APIError, from_validation
 from mleagle.daemon.events_relay import EventsRelay
 from mleagle.daemon.generation import Choice, Delta, Generation
 from mleagle.daemon.metrics import Metrics
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
-from mleagle.engine.config import MleagleConfig
-from mleagle.engine.outputs import TokenLogprob
-from mleagle.engine.protocol import peak_rss_mb
-from mleagle.engine.sampling_params import SamplingParams
-from pydantic import BaseModel, ValidationError
+from mleagle.engine.contract.config import MleagleConfig
+from mleagle.engine.contract.outputs import TokenLogprob
+from mleagle.engine.contract.protocol import peak_rss_mb
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 log = logging.getLogger("mleagle.daemon")
 SRV: web.AppKey[Server] = web.AppKey("srv")

@@ -13,8 +13,9 @@ import sys
 import time
 
 import torch
-from mleagle.engine.engine import Engine
-from mleagle.engine.sampling_params import SamplingParams
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
 
 PROMPTS = [[3, 9, 27, 81, 5, 15, 45, 135], [7, 1, 4], list(range(10, 60))]
 

@@ -17,7 +17,7 @@ import argparse
 import random
 from pathlib import Path
 
-from mleagle.engine.events import (
+from mleagle.engine.contract.events import (
     AcceptanceEvent,
     BatchEvent,
     EngineEvent,

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-from mleagle.engine.events import Event, RecordingWriter
+
+from mleagle.engine.contract.events import Event, RecordingWriter
 from mleagle.tui.model import Dashboard
 from mleagle.tui.source import LiveSource, Status
 

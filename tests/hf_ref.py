@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from mleagle.engine.engine import Engine
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.core.request import Req
 from mleagle.engine.entrypoints.bench import hf_build
-from mleagle.engine.request import Req
-from mleagle.engine.sampling_params import SamplingParams
 
 
 def hf_model(engine: Engine, dtype: torch.dtype = torch.float32):

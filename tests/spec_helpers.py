@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from mleagle.engine.config import EngineConfig, MleagleConfig, ModelArch, ModelSource
-from mleagle.engine.engine import Engine
+
+from mleagle.engine.contract.config import EngineConfig, MleagleConfig, ModelArch, ModelSource
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.memory.kv_pool import KVPool
-from mleagle.engine.runner import ModelRunner
-from mleagle.engine.sampling_params import SamplingParams
 
 
 def tiny_cfg(name: str = "t", *, vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4, kv: int = 2,

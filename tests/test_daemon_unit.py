@@ -10,12 +10,14 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
+
 from mleagle.daemon.detok import TextAssembler
 from mleagle.daemon.errors import from_validation
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, to_sampling_params
-from mleagle.engine.config import load_config
-from mleagle.engine.outputs import RequestOutput, TokenLogprob
-from mleagle.engine.protocol import (
+from mleagle.engine.contract.config import load_config
+from mleagle.engine.contract.outputs import RequestOutput, TokenLogprob
+from mleagle.engine.contract.protocol import (
     AbortRequest,
     AddRequest,
     Outputs,
@@ -28,8 +30,7 @@ from mleagle.engine.protocol import (
     decode_engine_msg,
     encode,
 )
-from mleagle.engine.sampling_params import SamplingParams
-from pydantic import ValidationError
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 
 def test_protocol_round_trip():
@@ -58,7 +59,7 @@ def test_daemon_never_imports_torch():
     code = (
         "import sys, asyncio\n"
         "from mleagle.daemon import cli, server, lifecycle, bench_serve, events_relay\n"
-        "from mleagle.engine.config import load_config\n"
+        "from mleagle.engine.contract.config import load_config\n"
         "app = server.create_app(load_config('smollm2-135m'), start_engine=False)\n"
         "async def go():\n"
         "    from aiohttp import web\n"
@@ -73,7 +74,7 @@ def test_daemon_never_imports_torch():
 
 @pytest.fixture(scope="module")
 def tok():
-    from mleagle.engine.tokenizer import Tokenizer
+    from mleagle.engine.contract.tokenizer import Tokenizer
 
     return Tokenizer.from_source(load_config("smollm2-135m").model)
 

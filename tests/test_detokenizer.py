@@ -8,9 +8,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from mleagle.engine.config import smollm2_gguf_path
-from mleagle.engine.detokenizer import IncrementalDetokenizer, StopChecker, StopMatcher, find_stop_cut
-from mleagle.engine.tokenizer import Tokenizer
+
+from mleagle.engine.contract.config import smollm2_gguf_path
+from mleagle.engine.contract.detokenizer import (
+    IncrementalDetokenizer,
+    StopChecker,
+    StopMatcher,
+    find_stop_cut,
+)
+from mleagle.engine.contract.tokenizer import Tokenizer
 
 TEXTS = [
     "Emoji: 😀🎉👍🏽 family 👨‍👩‍👧‍👦 flag 🇫🇷 heart ❤️ done",

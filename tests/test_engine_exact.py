@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_ref.py (pytest runs with --import-mode=importlib)
 from hf_ref import EngineProbe, hf_greedy, hf_logits, hf_model, rel_err
-from mleagle.engine.engine import Engine
-from mleagle.engine.sampling_params import SamplingParams
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
 
 CHAT = [
     "Write a short story about a robot who learns to paint.",

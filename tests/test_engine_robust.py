@@ -14,9 +14,10 @@ import random
 
 import pytest
 import torch
-from mleagle.engine.engine import Engine, EngineInputError
-from mleagle.engine.sampling_params import SamplingParams
 from pydantic import ValidationError
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine, EngineInputError
 
 
 @pytest.fixture(scope="module", autouse=True)

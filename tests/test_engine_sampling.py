@@ -14,10 +14,11 @@ import math
 
 import pytest
 import torch
-from mleagle.engine.engine import Engine
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
 from mleagle.engine.sampling.processor import apply_penalties, probs_from_logits
 from mleagle.engine.sampling.sampler import RowInfo, sample
-from mleagle.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
 

@@ -11,9 +11,10 @@ import math
 
 import pytest
 import torch
-from mleagle.engine.engine import Engine, EngineInputError
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine, EngineInputError
 from mleagle.engine.entrypoints.generate import main as generate_main
-from mleagle.engine.sampling_params import SamplingParams
 
 PROMPT = "Write a short poem about the sea."
 

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import zmq
-from mleagle.engine.event_bus import (
+
+from mleagle.engine.contract.event_bus import (
     EventBus,
     StateTracker,
     ZmqEventPublisher,
     ZmqEventSubscriber,
     runner_order,
 )
-from mleagle.engine.events import (
+from mleagle.engine.contract.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
     AcceptanceEvent,

@@ -16,8 +16,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from mleagle.engine.events import EVENT_TYPES, LogprobMetaEvent, PoolEvent, RequestEvent, parse_event
 
+from mleagle.engine.contract.events import EVENT_TYPES, LogprobMetaEvent, PoolEvent, RequestEvent, parse_event
 from tests.daemon_helpers import ServerProc
 
 KEY = "events-key"

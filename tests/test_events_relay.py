@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mleagle.daemon.events_relay import SUB_QUEUE, _Sub
-from mleagle.engine.events import BatchEvent, PoolEvent
+from mleagle.engine.contract.events import BatchEvent, PoolEvent
 
 
 def test_queue_is_bounded_and_counts_drops() -> None:

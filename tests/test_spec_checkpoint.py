@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mleagle.engine.engine import Engine, EngineInputError
-from mleagle.engine.sampling_params import SamplingParams
-from mleagle.engine.spec.checkpoint import layer_state, parse_spec, save_draft
 from safetensors.torch import save_file
 
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine, EngineInputError
+from mleagle.engine.spec.checkpoint import layer_state, parse_spec, save_draft
 from tests.spec_helpers import tiny_cfg
 
 PROMPTS = [[3, 9, 27, 81, 5], [7, 1, 4]]

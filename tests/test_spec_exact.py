@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-from mleagle.engine.config import smollm2_gguf_path
-from mleagle.engine.sampling_params import SamplingParams
 
+from mleagle.engine.contract.config import smollm2_gguf_path
+from mleagle.engine.contract.sampling_params import SamplingParams
 from tests.spec_helpers import greedy, oracle_engine, run, smol, tiny_engine
 
 PROMPTS = [[1, 2, 3], list(range(5, 16)), [100], [7, 7, 7, 7, 7], list(range(30, 47)), [200, 3, 9, 41, 5, 6, 77, 8, 90]]

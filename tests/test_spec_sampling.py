@@ -14,11 +14,11 @@ import functools
 
 import pytest
 import torch
-from mleagle.engine.engine import Engine
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import probs_from_logits
-from mleagle.engine.sampling_params import SamplingParams
-
 from tests.spec_helpers import chaos, tiny_cfg
 
 V = 12

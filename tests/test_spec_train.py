@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 
 import torch
-from mleagle.engine.spec import train as T
 
+from mleagle.engine.spec import train as T
 from tests.spec_helpers import greedy, run, tiny_engine
 
 PROMPTS = [[random.Random(i).randrange(1, 256) for _ in range(8 + i % 5)] for i in range(16)]

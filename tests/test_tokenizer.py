@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from mleagle.engine.config import ModelArch, ModelSource, smollm2_gguf_path
-from mleagle.engine.tokenizer import Tokenizer
+
+from mleagle.engine.contract.config import ModelArch, ModelSource, smollm2_gguf_path
+from mleagle.engine.contract.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -142,7 +143,7 @@ def test_save_load_roundtrip_torch_free(ours: Tokenizer, tmp_path: Path) -> None
     chat = CHATS[1]
     assert t.apply_chat_template(chat) == ours.apply_chat_template(chat)
     code = (
-        "import sys\nfrom mleagle.engine.tokenizer import Tokenizer\nfrom mleagle.engine.detokenizer import StopChecker\n"
+        "import sys\nfrom mleagle.engine.contract.tokenizer import Tokenizer\nfrom mleagle.engine.contract.detokenizer import StopChecker\n"
         f"t = Tokenizer.load({str(tmp_path)!r})\nassert t.encode('Hello world') == [19556, 905]\n"
         "bad = [m for m in ('torch', 'numpy', 'gguf', 'transformers', 'safetensors') if m in sys.modules]\n"
         "assert not bad, bad\n"

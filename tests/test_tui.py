@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from mleagle.engine.events import (
+from textual.pilot import Pilot
+from textual.widgets import DataTable
+
+from mleagle.engine.contract.events import (
     BatchEvent,
     EngineEvent,
     PoolEvent,
@@ -28,9 +31,6 @@ from mleagle.tui.app import HelpScreen, MleagleTui, build_app
 from mleagle.tui.model import Dashboard
 from mleagle.tui.panels.requests import RequestScreen
 from mleagle.tui.source import LiveSource, ReplaySource, Status, events_url
-from textual.pilot import Pilot
-from textual.widgets import DataTable
-
 from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
 
 SAMPLE = Path(__file__).parent / "data" / "events_sample.jsonl"
@@ -50,7 +50,7 @@ def test_tui_imports_without_torch() -> None:
         sys.meta_path.insert(0, Block())
         import mleagle.tui.app, mleagle.tui.source, mleagle.tui.model
         from mleagle.tui.panels import overview, batches, pools, graphs, logprobs, acceptance, requests
-        import mleagle.engine.events, mleagle.engine.event_bus
+        import mleagle.engine.contract.events, mleagle.engine.contract.event_bus
         app = mleagle.tui.app.build_app(["--replay", sys.argv[1], "--speed", "0"])
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "transformers"))
         assert not bad, bad

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from mleagle.engine.events import read_recording
+from textual.pilot import Pilot
+
+from mleagle.engine.contract.events import read_recording
 from mleagle.tui.app import MleagleTui
 from mleagle.tui.model import Dashboard
 from mleagle.tui.source import LiveSource
-from textual.pilot import Pilot
-
 from tests.daemon_helpers import ServerProc
 from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
 

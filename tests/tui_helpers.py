@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import textual.constants
-from mleagle.tui.app import MleagleTui
-from mleagle.tui.source import ReplaySource
 from rich.console import Console
 from textual.pilot import Pilot
+
+from mleagle.tui.app import MleagleTui
+from mleagle.tui.source import ReplaySource
 
 SIZE = (120, 36)
 

@@ -17,7 +17,15 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from mleagle.engine.events import Event, RecordingWriter
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
+
+from mleagle.engine.contract.events import Event, RecordingWriter
 from mleagle.tui.model import Dashboard
 from mleagle.tui.panels import Panel
 from mleagle.tui.panels.acceptance import AcceptancePanel
@@ -28,13 +36,6 @@ from mleagle.tui.panels.overview import OverviewPanel
 from mleagle.tui.panels.pools import PoolsPanel
 from mleagle.tui.panels.requests import RequestsPanel
 from mleagle.tui.source import LiveSource, ReplaySource, Status
-from rich.text import Text
-from textual import work
-from textual.app import App, ComposeResult
-from textual.binding import Binding
-from textual.containers import Vertical
-from textual.screen import ModalScreen
-from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
 
 TABS: list[tuple[str, str, type[Panel]]] = [
     ("overview", "1 Overview", OverviewPanel),

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from mleagle.engine.event_bus import StateTracker
-from mleagle.engine.events import (
+from mleagle.engine.contract.event_bus import StateTracker
+from mleagle.engine.contract.events import (
     AcceptanceEvent,
     BatchEvent,
     EngineEvent,

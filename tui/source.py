@@ -20,7 +20,8 @@ from typing import Literal, Protocol
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import aiohttp
-from mleagle.engine.events import Event, read_recording
+
+from mleagle.engine.contract.events import Event, read_recording
 
 State = Literal["connecting", "connected", "reconnecting", "replaying", "paused", "ended", "error"]
 

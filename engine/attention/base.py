@@ -11,7 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from mleagle.engine.forward_batch import ForwardBatch
+
+from mleagle.engine.executor.forward_batch import ForwardBatch
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 

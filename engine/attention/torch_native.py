@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from mleagle.engine.attention.base import AttentionBackend
-from mleagle.engine.forward_batch import ForwardBatch
+from mleagle.engine.executor.forward_batch import ForwardBatch
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -101,7 +101,7 @@ def engine_overrides(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def sampling_params(a: argparse.Namespace) -> Any:
-    from mleagle.engine.sampling_params import SamplingParams
+    from mleagle.engine.contract.sampling_params import SamplingParams
 
     return SamplingParams(
         max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, temperature=a.temperature,
@@ -161,7 +161,7 @@ class Progress:
 
 def stream_text(engine: Any, prompts: list[str], params: Any, chat: bool, progress: Progress) -> list[str | None]:
     """Stream every prompt's text in prompt order; returns each prompt's finish reason."""
-    from mleagle.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+    from mleagle.engine.contract.detokenizer import IncrementalDetokenizer, StopMatcher
 
     encoded = [engine.encode_prompt(p, chat) for p in prompts]
     tok = engine.tokenizer
@@ -219,8 +219,8 @@ def run(a: argparse.Namespace) -> int:
     if not prompts:
         raise UsageError("no prompts: give --prompt TEXT or --prompts-file FILE.jsonl")
     params = sampling_params(a)
-    from mleagle.engine.config import load_config
-    from mleagle.engine.engine import Engine
+    from mleagle.engine.contract.config import load_config
+    from mleagle.engine.core.engine import Engine
 
     cfg = load_config(a.model)
     t0 = time.perf_counter()

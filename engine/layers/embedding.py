@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mleagle.engine.distributed import all_gather_last_dim, all_reduce, tp
 from mleagle.engine.layers.linear import linear
-from torch import nn
 
 
 def _vocab_range(vocab: int) -> tuple[int, int]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mleagle.engine.distributed import all_reduce, shard, tp
 from torch import nn
+
+from mleagle.engine.distributed import all_reduce, shard, tp
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
-from mleagle.engine.config import RopeScaling
+
+from mleagle.engine.contract.config import RopeScaling
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

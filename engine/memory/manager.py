@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mleagle.engine.config import ModelArch, ModelSource
+
+from mleagle.engine.contract.config import ModelArch, ModelSource
 
 
 @dataclass

@@ -11,7 +11,8 @@ correlated across matrices, which performance work does not care about.
 from __future__ import annotations
 
 import torch
-from mleagle.engine.config import ModelArch
+
+from mleagle.engine.contract.config import ModelArch
 from mleagle.engine.model_loader import expected_shapes
 
 _DIRECT = 1 << 20  # tensors up to this many values are sampled independently

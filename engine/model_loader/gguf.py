@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mleagle.engine.config import ModelArch
+
+from mleagle.engine.contract.config import ModelArch
+from mleagle.engine.contract.tokenizer import Tokenizer, atomic_write, cache_dir_for, gguf_tokenizer_fields
 from mleagle.engine.model_loader import check_weights
-from mleagle.engine.tokenizer import Tokenizer, atomic_write, cache_dir_for, gguf_tokenizer_fields
 
 WEIGHTS_FILE = "weights.safetensors"
 ARCH_FILE = "arch.json"

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mleagle.engine.config import ModelArch, RopeScaling
+
+from mleagle.engine.contract.config import ModelArch, RopeScaling
 from mleagle.engine.model_loader import check_weights
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")

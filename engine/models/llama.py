@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mleagle.engine.config import ModelArch
+from torch import nn
+
+from mleagle.engine.contract.config import ModelArch
 from mleagle.engine.distributed import shard
-from mleagle.engine.forward_batch import ForwardBatch
+from mleagle.engine.executor.forward_batch import ForwardBatch
 from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mleagle.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from mleagle.engine.layers.norm import RMSNorm
 from mleagle.engine.layers.rope import RotaryEmbedding
-from torch import nn
 
 
 class Attention(nn.Module):

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from mleagle.engine.sampling_params import SamplingParams
+
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],

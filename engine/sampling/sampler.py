@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from mleagle.engine.outputs import TokenLogprob
+
+from mleagle.engine.contract.outputs import TokenLogprob
+from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import apply_penalties, probs_from_logits
-from mleagle.engine.sampling_params import SamplingParams
 
 
 @dataclass

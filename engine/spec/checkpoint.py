@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 import torch
-from mleagle.engine.config import MAX_SPEC_STEPS, ModelArch
+
+from mleagle.engine.contract.config import MAX_SPEC_STEPS, ModelArch
 from mleagle.engine.spec.draft_model import DraftStack, MTPLayer
 
 FORMAT = "mleagle-mtp"

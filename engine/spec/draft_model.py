@@ -10,13 +10,14 @@ Each layer is its own module so that each draft runner holds exactly one layer's
 from __future__ import annotations
 
 import torch
-from mleagle.engine.config import ModelArch
-from mleagle.engine.forward_batch import ForwardBatch
+from torch import nn
+
+from mleagle.engine.contract.config import ModelArch
+from mleagle.engine.executor.forward_batch import ForwardBatch
 from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mleagle.engine.layers.norm import RMSNorm
 from mleagle.engine.layers.rope import RotaryEmbedding
 from mleagle.engine.models.llama import DecoderLayer
-from torch import nn
 
 
 class MTPLayer(nn.Module):

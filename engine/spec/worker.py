@@ -30,14 +30,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from mleagle.engine.forward_batch import ForwardBatch, ForwardMode, build_batch
-from mleagle.engine.outputs import SpecStats
-from mleagle.engine.request import Req
-from mleagle.engine.runner import ModelRunner
+
+from mleagle.engine.contract.outputs import SpecStats
+from mleagle.engine.core.request import Req
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
+from mleagle.engine.executor.runner import ModelRunner
+from mleagle.engine.executor.worker import StepResult, TargetWorker, row_info
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import probs_from_logits
 from mleagle.engine.sampling.sampler import logprobs_of, processed_logits
-from mleagle.engine.worker import StepResult, TargetWorker, row_info
 
 
 @dataclass
@@ -303,8 +304,8 @@ class SpecWorker(TargetWorker):
 def build_spec_worker(engine: object) -> SpecWorker:
     """Build the draft stack named by `engine.cfg.engine.draft` and one runner per step, each with its
     own one-layer KV pool, request-to-token map and backend, registered with the memory manager."""
-    from mleagle.engine.config import MAX_SPEC_STEPS
-    from mleagle.engine.engine import EngineInputError, build_runner
+    from mleagle.engine.contract.config import MAX_SPEC_STEPS
+    from mleagle.engine.core.engine import EngineInputError, build_runner
     from mleagle.engine.spec.checkpoint import load_layer, parse_spec, random_layer_weights, read_draft
     from mleagle.engine.spec.draft_model import DraftStack
 

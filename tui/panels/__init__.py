@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mleagle.tui.model import Dashboard
 from rich.text import Text
 from textual.containers import Vertical
 from textual.widgets import DataTable
+
+from mleagle.tui.model import Dashboard
 
 
 class Panel(Vertical):

@@ -7,12 +7,13 @@ drop at depth ≥ 1 points at a mis-bound draft layer. Times are per iteration m
 
 from __future__ import annotations
 
-from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, bar, fmt_f, fmt_s
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Label, Sparkline, Static
+
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel, bar, fmt_f, fmt_s
 
 
 class AcceptancePanel(Panel):

@@ -6,12 +6,13 @@ and the requests in the batch. Padded ≠ raw means a graph bucket was padded; e
 
 from __future__ import annotations
 
-from mleagle.engine.events import BatchEvent
-from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, append_rows
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
+
+from mleagle.engine.contract.events import BatchEvent
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel, append_rows
 
 MODE_STYLE = {"EXTEND": "magenta", "DECODE": "cyan", "TARGET_VERIFY": "bold green", "DRAFT_EXTEND": "blue",
               "MIXED": "yellow", "IDLE": "grey50"}

@@ -7,13 +7,14 @@ On CPU every runner is eager with reason "cpu" and has no buckets.
 
 from __future__ import annotations
 
-from mleagle.engine.event_bus import runner_order
-from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
+
+from mleagle.engine.contract.event_bus import runner_order
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel
 
 
 class GraphsPanel(Panel):

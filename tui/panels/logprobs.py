@@ -7,13 +7,14 @@ runner and mode, so a branch that writes [bs] where the forward makes bs·W rows
 
 from __future__ import annotations
 
-from mleagle.engine.event_bus import runner_order
-from mleagle.engine.events import LogprobMetaEvent
-from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, append_rows
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable, Static
+
+from mleagle.engine.contract.event_bus import runner_order
+from mleagle.engine.contract.events import LogprobMetaEvent
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel, append_rows
 
 BAD = "bold white on dark_red"
 

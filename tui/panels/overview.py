@@ -8,13 +8,14 @@ and target step time per step.
 
 from __future__ import annotations
 
-from mleagle.engine.event_bus import runner_order
-from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, fmt_f
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Label, Sparkline, Static
+
+from mleagle.engine.contract.event_bus import runner_order
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel, fmt_f
 
 
 class OverviewPanel(Panel):

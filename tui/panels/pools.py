@@ -7,13 +7,14 @@ while another's should. A pool that is not back to free while nothing runs is fl
 
 from __future__ import annotations
 
-from mleagle.engine.event_bus import runner_order
-from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, bar
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
+
+from mleagle.engine.contract.event_bus import runner_order
+from mleagle.tui.model import Dashboard
+from mleagle.tui.panels import Panel, bar
 
 
 class PoolsPanel(Panel):

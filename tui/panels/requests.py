@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import math
 
-from mleagle.tui.model import Dashboard, RequestView
-from mleagle.tui.panels import Panel, fmt_f
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
+
+from mleagle.tui.model import Dashboard, RequestView
+from mleagle.tui.panels import Panel, fmt_f
 
 STATE_STYLE = {"queued": "yellow", "running": "bold cyan", "finished": "green", "aborted": "red",
                "preempted": "magenta"}

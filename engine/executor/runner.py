@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from mleagle.engine.attention.base import AttentionBackend, BindingError
-from mleagle.engine.forward_batch import ForwardBatch
+from mleagle.engine.executor.forward_batch import ForwardBatch
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
-from torch import nn
 
 
 @dataclass(frozen=True, eq=False)

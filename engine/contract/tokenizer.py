@@ -20,9 +20,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from mleagle.engine.config import ModelSource, smollm2_gguf_path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
+
+from mleagle.engine.contract.config import ModelSource, smollm2_gguf_path
 
 CACHE_FORMAT = "mleagle-cache-v1"  # bump to invalidate every cache entry (weights and tokenizers)
 META_FILE = "tokenizer_meta.json"

@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from mleagle.engine import events as ev
+from mleagle.engine.contract import events as ev
 
 if TYPE_CHECKING:
-    from mleagle.engine.engine import Engine
-    from mleagle.engine.forward_batch import ForwardBatch
-    from mleagle.engine.outputs import RequestOutput
-    from mleagle.engine.runner import ForwardOutput, ModelRunner
+    from mleagle.engine.contract.outputs import RequestOutput
+    from mleagle.engine.core.engine import Engine
+    from mleagle.engine.executor.forward_batch import ForwardBatch
+    from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
 
 
 class Telemetry:

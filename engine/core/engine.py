@@ -17,24 +17,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from mleagle.engine.attention.torch_native import TorchNativeBackend
-from mleagle.engine.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
-from mleagle.engine.detokenizer import StopChecker
+from mleagle.engine.contract.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
+from mleagle.engine.contract.detokenizer import StopChecker
+from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.contract.tokenizer import Tokenizer
+from mleagle.engine.core.request import Req
+from mleagle.engine.core.scheduler import Scheduler
+from mleagle.engine.executor.runner import ModelRunner
+from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 from mleagle.engine.model_loader import load_model
 from mleagle.engine.models.llama import LlamaForCausalLM
-from mleagle.engine.outputs import RequestOutput, SpecStats, TokenLogprob
-from mleagle.engine.request import Req
-from mleagle.engine.runner import ModelRunner
 from mleagle.engine.sampling.rng import mix
-from mleagle.engine.sampling_params import SamplingParams
-from mleagle.engine.scheduler import Scheduler
-from mleagle.engine.telemetry import Telemetry
-from mleagle.engine.tokenizer import Tokenizer
-from mleagle.engine.worker import TargetWorker
+from mleagle.engine.service.telemetry import Telemetry
 
 # A verify window reaches S positions past a request's last token, so the slot maps and the RoPE table
 # extend past the context limit by the largest S an engine runs plus the bonus row.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mleagle.engine.runner import StepBinding
+    from mleagle.engine.executor.runner import StepBinding
 
 
 class ForwardMode(enum.Enum):

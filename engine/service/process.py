@@ -1,4 +1,4 @@
-"""The engine process: `python -m mleagle.engine.process`, started and supervised by the daemon.
+"""The engine process: `python -m mleagle.engine.service.process`, started and supervised by the daemon.
 
 It builds `Engine(cfg)`, saves the tokenizer under the run dir (so the daemon loads it without torch),
 connects to the daemon's private `ipc://` sockets (PULL for requests, PUSH for outputs; both bound by
@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from mleagle.engine.config import MleagleConfig
-from mleagle.engine.outputs import RequestOutput
-from mleagle.engine.protocol import (
+
+from mleagle.engine.contract.config import MleagleConfig
+from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.protocol import (
     AbortRequest,
     AddRequest,
     Fatal,
@@ -42,7 +43,7 @@ from mleagle.engine.protocol import (
     peak_rss_mb,
 )
 
-log = logging.getLogger("mleagle.engine.process")
+log = logging.getLogger("mleagle.engine.service.process")
 IDLE_POLL_MS = 250  # idle wake-up: notices a vanished parent even without PDEATHSIG
 MAX_DRAIN = 512  # messages handled between two steps, so a flood cannot starve decoding
 MAX_STEP_FAILURES = 3
@@ -65,7 +66,7 @@ def _jsonable(obj: Any) -> Any:
 
 
 def build_engine(cfg: MleagleConfig) -> Any:
-    from mleagle.engine.engine import Engine
+    from mleagle.engine.core.engine import Engine
 
     return Engine(cfg)
 
@@ -82,7 +83,7 @@ class EngineLoop:
         self.failures = 0
         self.ppid = os.getppid()
         try:
-            from mleagle.engine.engine import EngineInputError
+            from mleagle.engine.core.engine import EngineInputError
         except ImportError:  # a stand-in engine
             EngineInputError = ValueError
         self.input_error: type[Exception] = EngineInputError
@@ -192,7 +193,7 @@ class EngineLoop:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m mleagle.engine.process", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m mleagle.engine.service.process", description=__doc__)
     ap.add_argument("--config-file", required=True, help="MleagleConfig as JSON")
     ap.add_argument("--run-dir", required=True, help="private dir for the tokenizer copy")
     ap.add_argument("--requests", required=True, help="zmq address to PULL requests from")
@@ -213,7 +214,7 @@ class EventPump:
         self.last_drops = 0.0
 
     def attach(self, engine: Any) -> None:
-        from mleagle.engine.event_bus import EventBus
+        from mleagle.engine.contract.event_bus import EventBus
 
         if getattr(engine, "events", None) is None:
             engine.events = EventBus()
@@ -243,7 +244,7 @@ def _event_pump(addr: str | None) -> EventPump | None:
     if addr is None:
         return None
     try:
-        from mleagle.engine.event_bus import ZmqEventPublisher
+        from mleagle.engine.contract.event_bus import ZmqEventPublisher
 
         return EventPump(ZmqEventPublisher(addr, bind=False))
     except Exception:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from mleagle.engine.outputs import RequestOutput
-from mleagle.engine.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 

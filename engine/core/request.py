@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mleagle.engine.outputs import FinishReason, SpecStats, TokenLogprob
-from mleagle.engine.sampling_params import SamplingParams
+from mleagle.engine.contract.outputs import FinishReason, SpecStats, TokenLogprob
+from mleagle.engine.contract.sampling_params import SamplingParams
 
 
 class ReqState(enum.Enum):

@@ -17,10 +17,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.core.request import Req, ReqState
+from mleagle.engine.executor.worker import StepResult, TargetWorker
 from mleagle.engine.memory.manager import MemoryManager
-from mleagle.engine.outputs import RequestOutput
-from mleagle.engine.request import Req, ReqState
-from mleagle.engine.worker import StepResult, TargetWorker
 
 StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
 

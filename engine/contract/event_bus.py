@@ -17,7 +17,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from mleagle.engine.events import (
+from mleagle.engine.contract.events import (
     AcceptanceEvent,
     BatchEvent,
     DropsEvent,
