@@ -28,12 +28,11 @@ ENV MLEAGLE_CACHE_DIR=/opt/mleagle/cache \
 
 WORKDIR /opt/mleagle
 COPY . .
-RUN PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" MLEAGLE_TORCH_VERSION="${MLEAGLE_TORCH_VERSION}" \
-      bash scripts/install.sh \
-    && rm -rf /root/.cache/pip
+RUN PIP_NO_CACHE_DIR=1 PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" MLEAGLE_TORCH_VERSION="${MLEAGLE_TORCH_VERSION}" \
+      bash scripts/install.sh
 # Dequantise the bundled GGUF once at build time, so a container is healthy seconds after it starts.
 RUN if [ "$WARM_CACHE" = 1 ]; then \
-      python -c "from mleagle.engine.engine import Engine; Engine('smollm2-135m', max_total_tokens=1024)"; \
+      python -c "from mleagle.engine.core.engine import Engine; Engine('smollm2-135m', max_total_tokens=1024)"; \
     fi
 
 RUN useradd --system --home-dir /opt/mleagle --shell /usr/sbin/nologin mleagle \

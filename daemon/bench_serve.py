@@ -27,12 +27,9 @@ from typing import Any
 
 import aiohttp
 
+from mleagle.engine.contract.config import data_dir
+
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
-REPO = Path(__file__).resolve().parent.parent
-
-
-def data_dir(arg: str | None) -> Path:
-    return Path(arg or os.environ.get("MLEAGLE_DATA_DIR") or REPO.parent / "shared" / "data")
 
 
 def load_prompts(dataset: str, ddir: Path, n: int, seed: int) -> list[str]:

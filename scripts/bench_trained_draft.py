@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from mleagle.engine.engine import Engine
-from mleagle.engine.outputs import SpecStats
-from mleagle.engine.sampling_params import SamplingParams
+
+from mleagle.engine.contract.config import data_dir
+from mleagle.engine.contract.outputs import SpecStats
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
 
 
 def prompts(path: str, n: int) -> list[str]:
@@ -52,7 +54,7 @@ def run(draft: str, boundary_kv: str, texts: list[str], bs: int, n_new: int) -> 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default="results/drafts/smollm2-mtp2")
-    ap.add_argument("--data", default="/work/shared/data/mt_bench.jsonl")
+    ap.add_argument("--data", default=None, help="default: mt_bench.jsonl in $MLEAGLE_DATA_DIR or ../shared/data")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -61,6 +63,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    a.data = a.data or str(data_dir() / "mt_bench.jsonl")
     texts = prompts(a.data, a.num_prompts)
     runs = [run("none", "stale", texts, a.batch_size, a.max_new_tokens),
             run(a.draft, "stale", texts, a.batch_size, a.max_new_tokens),

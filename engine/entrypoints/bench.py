@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mleagle.engine.contract.config import data_dir
+
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- inputs and machine ------------------------------------------------------------------------
-def data_dir(arg: str | None) -> Path:
-    return Path(arg or os.environ.get("MLEAGLE_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
-
-
 def read_first_turns(name: str, ddir: Path) -> list[str]:
     f = ddir / DATASETS[name] if name in DATASETS else Path(name)
     if not f.is_file():
@@ -95,7 +92,7 @@ def measure_load(model: str, dtype: str, cache: str) -> dict[str, float]:
     """Load time in a fresh process with MLEAGLE_CACHE_DIR=cache (first call cold, second warm)."""
     code = (
         "import json,time,sys;t0=time.perf_counter();"
-        "from mleagle.engine.engine import Engine;t1=time.perf_counter();"
+        "from mleagle.engine.core.engine import Engine;t1=time.perf_counter();"
         f"e=Engine({model!r},dtype={dtype!r},max_total_tokens=256,threads=1);t2=time.perf_counter();"
         "print(json.dumps({'import_s':t1-t0,'load_s':e.load_time_s,'engine_init_s':t2-t1}))"
     )
@@ -143,8 +140,8 @@ def kv_report(engine: Any) -> tuple[dict[str, Any], list[int]]:
 
 # --- the two runs ------------------------------------------------------------------------------
 def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float, seed: int) -> dict[str, Any]:
-    from mleagle.engine.outputs import SpecStats
-    from mleagle.engine.sampling_params import SamplingParams
+    from mleagle.engine.contract.outputs import SpecStats
+    from mleagle.engine.contract.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True, seed=None)
     rids = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
@@ -196,8 +193,9 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
 def hf_build(engine: Any, dtype: Any = None) -> Any:
     """HF transformers' LlamaForCausalLM with the engine's own dequantised weights (the baseline of the
     benchmark and the reference of the exactness tests)."""
-    from mleagle.engine.model_loader import load_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mleagle.engine.model_loader import load_model
 
     a = engine.arch
     eos = a.eos_ids[0] if a.eos_ids else 0
@@ -306,8 +304,9 @@ def table(res: dict[str, Any]) -> str:
 
 def run(a: argparse.Namespace) -> int:
     import torch
-    from mleagle.engine.config import load_config
-    from mleagle.engine.engine import Engine
+
+    from mleagle.engine.contract.config import load_config
+    from mleagle.engine.core.engine import Engine
 
     sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
     if not sizes or min(sizes) < 1:
@@ -330,7 +329,7 @@ def run(a: argparse.Namespace) -> int:
         report["load"] = {"cold": cold, "warm": warm}
         print(f"load: cold {cold['load_s']:.2f}s, warm {warm['load_s']:.2f}s (model + tokenizer)", file=sys.stderr)
 
-    from mleagle.engine.tokenizer import Tokenizer
+    from mleagle.engine.contract.tokenizer import Tokenizer
 
     tok = Tokenizer.from_source(cfg.model)
     if tok is None:

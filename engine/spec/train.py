@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from mleagle.engine.contract.config import data_dir
 from mleagle.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from mleagle.engine.spec.draft_model import DraftStack, MTPLayer
 
@@ -70,7 +72,7 @@ def load_prompts(path: str | Path, n: int, seed: int = 0, exclude: Sequence[str]
 
 def generate_data(engine: Any, prompts: Sequence[str], max_new_tokens: int, max_prompt_tokens: int = 192) -> list[Seq]:
     """Chat-template each prompt and let the target continue it greedily, all in one engine batch."""
-    from mleagle.engine.sampling_params import SamplingParams
+    from mleagle.engine.contract.sampling_params import SamplingParams
 
     tok = engine.tokenizer
     enc = []
@@ -291,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="Self-distil a chain MTP draft for the engine's target.")
     ap.add_argument("--config", default=None, help="mleagle config (default: the embedded SmolLM2)")
-    ap.add_argument("--prompts", default="/work/shared/data/prompts.jsonl")
+    ap.add_argument("--prompts", default=None, help="prompt JSONL (default: prompts.jsonl in the data dir: "
+                    "$MLEAGLE_DATA_DIR or ../shared/data)")
     ap.add_argument("--num-seqs", type=int, default=480)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gen-dtype", default="float32", help="engine dtype for data generation")
@@ -311,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--recipe", default=None, help="write the recipe and training history here (JSON)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    from mleagle.engine.engine import Engine
+    from mleagle.engine.core.engine import Engine
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -324,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         gen = Engine(a.config, dtype=a.gen_dtype, max_running_requests=64)
         exclude = []
+        a.prompts = a.prompts or str(data_dir() / "prompts.jsonl")
         mt = Path(a.prompts).parent / "mt_bench.jsonl"  # never train on the evaluation prompts
         if mt.is_file():
             exclude = [t for line in mt.read_text().split("\n") if line.strip() for t in json.loads(line)["turns"]]
