@@ -2,8 +2,8 @@
 follow HF's and OpenAI's formulas, and a seed gives the same tokens alone, in a batch and in another
 engine.
 
-The statistical tests run the real sampler (`sample`, the function the worker calls) on constructed
-logits with many (seed, position) draws, then check every draw is inside the allowed set and a
+The statistical tests run the real sampler (`penalize` then `sampler.sample`, the functions the worker
+calls, through the small host-list adapters below) on constructed logits with many (seed, position) draws, then check every draw is inside the allowed set and a
 chi-square goodness of fit against the hand-computed renormalised distribution (fixed seeds, so the
 test is deterministic; the threshold is the p = 0.001 quantile).
 """
@@ -11,16 +11,57 @@ test is deterministic; the threshold is the p = 0.001 quantile).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
-from mleagle.engine.sampling.processor import apply_penalties, probs_from_logits
-from mleagle.engine.sampling.sampler import RowInfo, sample
+from mleagle.engine.sampling import processor, sampler
+from mleagle.engine.sampling.processor import penalize, rows_from_params
 
 LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+
+
+@dataclass
+class RowInfo:
+    """One row as the tests describe it; the engine keeps the same in its slot state."""
+
+    params: SamplingParams
+    seed: int
+    pos: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def _context(v: int, prompt_ids: list[list[int]], output_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.zeros(len(prompt_ids), v, dtype=torch.int32)
+    seen = torch.zeros(len(prompt_ids), v, dtype=torch.bool)
+    for i, (p, o) in enumerate(zip(prompt_ids, output_ids)):
+        seen[i, list(p)] = True
+        for t in o:
+            counts[i, t] += 1
+    return counts, seen | (counts > 0)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                    output_ids: list[list[int]]) -> torch.Tensor:
+    n, v = logits.shape
+    rows = rows_from_params(params, [0] * n, [0] * n, v)
+    return penalize(logits, rows, *_context(v, prompt_ids, output_ids))
+
+
+def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    n, v = logits.shape
+    return processor.probs_from_logits(logits, rows_from_params(params, [0] * n, [0] * n, v))
+
+
+def sample(logits: torch.Tensor, rows: list[RowInfo]) -> list[int]:
+    v = logits.shape[1]
+    sr = rows_from_params([r.params for r in rows], [r.seed for r in rows], [r.pos for r in rows], v)
+    x = penalize(logits, sr, *_context(v, [r.prompt_ids for r in rows], [r.output_ids for r in rows]))
+    return sampler.sample(x, sr)[0].tolist()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,8 +17,8 @@ import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
-from mleagle.engine.sampling import rng
-from mleagle.engine.sampling.processor import probs_from_logits
+from mleagle.engine.sampling.processor import probs_from_logits, rows_from_params
+from mleagle.engine.spec.worker import SpecWorker
 from tests.spec_helpers import chaos, tiny_cfg
 
 V = 12
@@ -50,9 +50,14 @@ def _raw() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _expected(sp: SamplingParams) -> torch.Tensor:
     """Exact joint distribution of (o1, o2) under the request's temperature and filters: [V, V]."""
     r0, r1, r2 = _raw()
-    p0 = probs_from_logits(r0.view(1, V), [sp])[0]
-    p1 = probs_from_logits(r1, [sp] * V)  # [o0, o1]
-    p2 = probs_from_logits(r2.view(V * V, V), [sp] * (V * V)).view(V, V, V)  # [o0, o1, o2]
+
+    def probs(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return probs_from_logits(x, rows_from_params([sp] * n, [0] * n, [0] * n, V))
+
+    p0 = probs(r0.view(1, V))[0]
+    p1 = probs(r1)  # [o0, o1]
+    p2 = probs(r2.view(V * V, V)).view(V, V, V)  # [o0, o1, o2]
     return torch.einsum("a,ab,abc->bc", p0, p1, p2)
 
 
@@ -109,7 +114,7 @@ def test_target_only_sampling_matches_too() -> None:
 
 def test_always_accept_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     """Break rejection sampling (accept every draft the target could produce): the test must notice."""
-    monkeypatch.setattr(rng, "uniform", lambda *a, **k: 0.0)
+    monkeypatch.setattr(SpecWorker, "_accept_uniform", staticmethod(lambda rows, bs, w: torch.zeros(bs, w - 1)))
     sp = CASES[0]
     counts, e = _sample("random:2:4", sp)
     assert e.worker.stats.num_accepted_tokens > 0

@@ -94,8 +94,9 @@ class EngineConfig(BaseModel):
     """How the engine runs a model: device, dtype, memory and scheduling limits, speculation."""
 
     model_config = ConfigDict(extra="forbid")
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": CUDA when present, else the CPU; dtype "auto": bfloat16 on CUDA, float32 on the CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     page_size: int = Field(1, ge=1)
     # KV pool size: `max_total_tokens` if set, else `kv_memory_mb` worth of tokens (per runner).
     max_total_tokens: int | None = Field(None, ge=16)
@@ -111,6 +112,29 @@ class EngineConfig(BaseModel):
     boundary_kv: Literal["stale", "recompute"] = "stale"
     threads: int | None = Field(None, ge=1)
     seed: int = 0  # seeds requests that bring none, reproducibly per engine run
+    # CUDA graphs for decode / verify / every draft-extend step, bucketed up to cuda_graph_max_bs
+    # (default: max_running_requests); `--disable-cuda-graph` runs every forward eagerly.
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = Field(None, ge=1, le=1024)
+    # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
+    overlap_schedule: bool = True
+    # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot
+    # run (the CPU): for testing the graph path's bookkeeping, never faster.
+    graph_emulate: bool = False
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+        except ImportError:
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str | None = None) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if (device or self.resolved_device()) == "cuda" else "float32"
 
 
 class ServerConfig(BaseModel):

@@ -1,7 +1,8 @@
 """The engine: model, pools, runners, worker and scheduler put together, and the offline Python API.
 
 `Engine(config)` loads the model and tokenizer, sizes the KV pools (one per runner, all of the same
-slot count), builds the target runner (and, with a draft, the speculative worker) and the scheduler.
+slot count), builds the target runner (and, with a draft, the speculative worker) and the scheduler,
+and on CUDA captures each runner's graphs (reporting what, how much memory and how long).
 `add_request` / `abort` / `step` are the loop the engine process drives; `generate` and `stream` are
 the offline API on top of them. Bad input raises `EngineInputError` before anything is allocated,
 so it never harms other requests.
@@ -10,6 +11,7 @@ so it never harms other requests.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -26,6 +28,8 @@ from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.contract.tokenizer import Tokenizer
 from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler
+from mleagle.engine.executor.forward_batch import ForwardMode
+from mleagle.engine.executor.graph_runner import GraphRunner, default_buckets
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.memory.allocator import SlotAllocator
@@ -42,6 +46,7 @@ from mleagle.engine.service.telemetry import Telemetry
 LOOKAHEAD_MARGIN = MAX_SPEC_STEPS + 1
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("mleagle.engine")
 
 
 class EngineInputError(ValueError):
@@ -79,10 +84,13 @@ class Engine:
         if engine_overrides:  # validated like a config file's [engine] table
             engine = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine_overrides})
             cfg = cfg.model_copy(update={"engine": engine})
-        self.cfg = cfg
         e = cfg.engine
         if e.device == "cuda" and not torch.cuda.is_available():
             raise EngineInputError("device 'cuda' requested but CUDA is not available")
+        dev = e.resolved_device()
+        e = e.model_copy(update={"device": dev, "dtype": e.resolved_dtype(dev)})
+        cfg = cfg.model_copy(update={"engine": e})
+        self.cfg = cfg
         if e.threads:
             torch.set_num_threads(e.threads)
         self.dtype = DTYPES[e.dtype]
@@ -110,10 +118,11 @@ class Engine:
         self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token])
         self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
         self.worker = self._build_worker()
+        self.graph_report = self._capture_graphs()
         self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
-                                   stop_cut=self._stop_cut)
+                                   stop_cut=self._stop_cut, overlap=e.overlap_schedule and self.device.type == "cuda")
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
         self.events: Any = None  # an EventBus, installed by the engine process
@@ -126,7 +135,38 @@ class Engine:
             from mleagle.engine.spec.worker import build_spec_worker  # the speculative path, when asked
 
             return build_spec_worker(self)
-        return TargetWorker(self.target, self.device, frozenset(self.eos_ids))
+        return TargetWorker(self.target, self.device, frozenset(self.eos_ids), self.arch.vocab_size, self.max_reqs)
+
+    def _capture_graphs(self) -> str:
+        """CUDA graphs for every runner's uniform forward (target decode or verify, each draft step),
+        captured against that runner's own binding; on the CPU only when emulated (tests)."""
+        e = self.cfg.engine
+        cuda = self.device.type == "cuda"
+        if not e.cuda_graph or not (cuda or e.graph_emulate):
+            for r in self.runners:
+                r.no_graph_reason = "disabled" if cuda or not e.cuda_graph else "cpu"
+            return "cuda graphs: off" + ("" if cuda else " (cpu)")
+        spec = self.runners[1:]
+        w = getattr(self.worker, "steps", 0) + 1
+        buckets = default_buckets(min(e.cuda_graph_max_bs or self.max_reqs, self.max_reqs))
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        lines = []
+        for r in self.runners:
+            if cuda and not getattr(r.binding.backend, "supports_graphs", False):
+                r.no_graph_reason = f"backend {r.binding.backend.name}"
+                lines.append(f"{r.name}: eager (backend {r.binding.backend.name} cannot be captured)")
+                continue
+            mode = ForwardMode.DRAFT_EXTEND if r in spec else ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
+            g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
+                            hidden_size=self.arch.hidden_size, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
+                            emulate=not cuda, pool=pool)
+            g.capture()
+            r.graphs = g
+            lines.append(f"{r.name}: {mode.value} W={g.width} buckets {g.buckets[0]}..{g.buckets[-1]} "
+                         f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        report = "cuda graphs" + (" (emulated)" if not cuda else "") + ":\n  " + "\n  ".join(lines)
+        log.info(report)
+        return report
 
     @property
     def runners(self) -> list[ModelRunner]:

@@ -46,7 +46,9 @@ class Req:
     first_token_time: float | None = None
     spec: SpecStats | None = None
     stop_state: Any = None  # the stop-string matcher's per-request state
-    draft_state: Any = None  # the speculative worker's per-request state (next drafts, bonus token)
+    draft_state: Any = None  # the speculative worker's per-request state (prefill hidden states)
+    state_slot: int | None = None  # the slot whose device state rows were filled for this request
+    epoch: int = 0  # bumped when the request leaves the running set: results launched before are dropped
 
     @property
     def fill_ids(self) -> list[int]:

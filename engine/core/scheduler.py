@@ -9,6 +9,14 @@ over prompt + output. Nothing is lost: every request ends with a finish reason, 
 back every page and request slot whatever the ending. Stop conditions (EOS, stop ids, stop strings,
 max new tokens, context limit) are applied to each step's new tokens, cutting exactly where the
 first one holds, so several tokens arriving at once (speculation) end in the same place as one by one.
+
+Overlap scheduling (on the GPU): a decode step is launched (`worker.launch`) and finished later
+(`worker.finish`, which waits for its one result copy). While decoding is steady — no request to admit,
+no abort, memory for every running request — the scheduler launches step N+1 before it finishes step N,
+so the host's bookkeeping of N (stop checks, deltas, events) runs while the GPU computes N+1. A request
+that N finishes is then also in N+1: its results there are dropped (its epoch changed) and it is
+released at once (the device runs N+1 before anything queued later can reuse its slots). Anything else
+— admission, preemption, an abort — first drains the step in flight.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from collections.abc import Callable
 
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.core.request import Req, ReqState
-from mleagle.engine.executor.worker import StepResult, TargetWorker
+from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker
 from mleagle.engine.memory.manager import MemoryManager
 
 StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
@@ -28,7 +36,7 @@ StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
 class Scheduler:
     def __init__(self, worker: TargetWorker, mem: MemoryManager, *, max_running: int, max_context: int,
                  chunk_size: int, max_prefill_tokens: int, eos_ids: set[int],
-                 stop_cut: StopCutFn | None = None):
+                 stop_cut: StopCutFn | None = None, overlap: bool = False):
         self.worker, self.mem = worker, mem
         self.max_running, self.max_context = max_running, max_context
         self.chunk_size, self.max_prefill_tokens = chunk_size, max_prefill_tokens
@@ -42,6 +50,10 @@ class Scheduler:
         self.last_mode: str = "IDLE"
         self.last_step_time = 0.0
         self.pending: list[RequestOutput] = []  # deltas produced outside the step's forward (errors)
+        self.overlap = overlap
+        self.inflight: Pending | None = None  # a decode step launched and not yet finished
+        self.last_finished: Pending | None = None  # the decode step whose results the last step applied
+        self.last_prefill = None  # the last EXTEND batch (telemetry)
 
     # --- requests in and out ---------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -54,7 +66,7 @@ class Scheduler:
             req.abort_requested = True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     def _finish(self, req: Req, reason: str, matched: int | str | None = None) -> None:
         req.state = ReqState.FINISHED
@@ -69,30 +81,50 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
-        for req in [r for r in list(self.waiting) + self.running if r.abort_requested]:
-            if req in self.waiting:
-                self.waiting.remove(req)
-            self._finish(req, "abort")
-            outputs.append(self._delta(req))
+        aborts = [r for r in list(self.waiting) + self.running if r.abort_requested]
         results: list[tuple[Req, StepResult]] = []
-        batch = self._schedule_prefill()
-        if batch:
-            reqs, chunks = batch
-            self.last_mode = "EXTEND"
-            results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+        self.last_finished = None
+        if self.inflight is not None:
+            # Steady decoding: launch the next step first, then finish the one in flight.
+            nxt = None
+            if self.overlap and not aborts and not self._want_prefill():
+                reqs = self._decode_ready(self.worker.lookahead * 2)
+                if reqs:
+                    nxt = self.worker.launch(reqs)
+            done, self.inflight = self.inflight, nxt
+            results = list(zip(done.reqs, self.worker.finish(done)))
+            self.last_finished = done
+            self.last_mode = "DECODE"
         else:
-            reqs = self._schedule_decode()
-            if reqs:
-                self.last_mode = "DECODE"
-                results = list(zip(reqs, self.worker.decode(reqs)))
+            outputs += self._abort(aborts)
+            aborts = []
+            batch = self._schedule_prefill()
+            if batch:
+                reqs, chunks = batch
+                self.last_mode = "EXTEND"
+                results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+                self.last_prefill = self.worker.last_batch
             else:
-                self.last_mode = "IDLE"
+                reqs = self._schedule_decode()
+                if reqs:
+                    self.last_mode = "DECODE"
+                    p = self.worker.launch(reqs)
+                    if self.overlap:
+                        self.inflight = p  # finished by the next step, after it launches its successor
+                    else:
+                        results = list(zip(p.reqs, self.worker.finish(p)))
+                        self.last_finished = p
+                else:
+                    self.last_mode = "IDLE"
         outputs += self.pending
         self.pending = []
         for req, res in results:
+            if req.finished:
+                continue
             self._apply(req, res)
             if res.tokens or req.finished or res.prompt_logprobs:
                 outputs.append(self._delta(req, res))
+        outputs += self._abort(aborts)
         # A request finished above was removed from the map; forget it.
         for out in outputs:
             if out.finished:
@@ -100,6 +132,35 @@ class Scheduler:
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
         return outputs
+
+    def _abort(self, reqs: list[Req]) -> list[RequestOutput]:
+        outs = []
+        for req in reqs:
+            if req.finished:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, "abort")
+            outs.append(self._delta(req))
+        return outs
+
+    def _want_prefill(self) -> bool:
+        """Would the normal path schedule a prefill now (prefill goes first)?"""
+        if any(r.prefilling for r in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        head = self.waiting[0]
+        first = min(head.prefill_len - head.kv_len, self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens)
+        return self.mem.can_ensure(head, head.kv_len + first)
+
+    def _decode_ready(self, la: int) -> list[Req] | None:
+        """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
+        ready = [r for r in self.running if not r.prefilling]
+        for r in ready:
+            if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context)):
+                return None
+        return ready
 
     def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
         budget = self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens

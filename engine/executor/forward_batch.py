@@ -5,15 +5,18 @@ attention backend it is for; a runner refuses a batch bound to anything else. Th
 derives each draft step's batch from one shared view with `dataclasses.replace`, changing only the
 input ids, the input hidden states and the binding, so positions, slots, sequence lengths and
 request indices are the same objects in every step. `num_logit_rows` is the single place that says
-how many logit rows a forward makes; the logits buffer, the per-rank counts and (later) graph
-capture metadata all derive from it.
+how many logit rows a forward makes; `row_meta` derives from it everything else that counts rows (the
+per-rank token and logprob counts of both tensor-parallel layouts, which the graph runners record at
+capture and recompute at replay, and telemetry publishes). `build_batch` builds a view from host lists
+(prefill); `uniform_batch` builds decode / verify views from the device-resident slot state, so a decode
+iteration needs no per-request host lists and no device round trip.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -50,6 +53,58 @@ def num_logit_rows(mode: ForwardMode, bs: int, width: int = 1, *, all_rows: bool
     return num_tokens if all_rows else bs
 
 
+Layout = Literal["all_reduce", "scattered"]
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """Row counts of one forward, all from `num_logit_rows`: what a graph records at capture and a live
+    batch must reproduce after padding. Per rank: `global_num_tokens[r]` tokens and
+    `global_num_tokens_for_logprob[r]` logit rows. In the all-reduce layout every rank holds every token
+    and row; in the token-scattered layout tokens and rows are padded to a multiple of the TP size and
+    split evenly, so the gathers before the consumer and the head are equal-sized."""
+
+    mode: ForwardMode
+    bs: int
+    width: int
+    pruned: bool
+    num_tokens: int
+    logit_rows: int
+    layout: Layout
+    tp_size: int
+    global_num_tokens: tuple[int, ...]
+    global_num_tokens_for_logprob: tuple[int, ...]
+
+    @property
+    def agree(self) -> bool:
+        """The per-rank counts are consistent with the row-count rule for this layout."""
+        n = self.tp_size
+        if len(self.global_num_tokens) != n or len(self.global_num_tokens_for_logprob) != n:
+            return False
+        if self.layout == "all_reduce":
+            return (all(t == self.num_tokens for t in self.global_num_tokens)
+                    and all(r == self.logit_rows for r in self.global_num_tokens_for_logprob))
+        return (sum(self.global_num_tokens) == _pad(self.num_tokens, n)
+                and sum(self.global_num_tokens_for_logprob) == _pad(self.logit_rows, n)
+                and len(set(self.global_num_tokens)) == 1 and len(set(self.global_num_tokens_for_logprob)) == 1)
+
+
+def _pad(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+def row_meta(mode: ForwardMode, bs: int, width: int = 1, *, pruned: bool = False, num_tokens: int | None = None,
+             all_rows: bool = False, tp_size: int = 1, layout: Layout = "all_reduce") -> RowMeta:
+    """The one place that turns (mode, bs, width, pruned) into every row count of a forward."""
+    t = num_tokens if num_tokens is not None else bs * width
+    rows = num_logit_rows(mode, bs, width, all_rows=all_rows, num_tokens=t, pruned=pruned)
+    if layout == "all_reduce":
+        gnt, gntl = (t,) * tp_size, (rows,) * tp_size
+    else:
+        gnt, gntl = (_pad(t, tp_size) // tp_size,) * tp_size, (_pad(rows, tp_size) // tp_size,) * tp_size
+    return RowMeta(mode, bs, width, pruned, t, rows, layout, tp_size, gnt, gntl)
+
+
 @dataclass(frozen=True, eq=False)
 class ForwardBatch:
     mode: ForwardMode
@@ -67,6 +122,10 @@ class ForwardBatch:
     rids: tuple[str, ...] = field(default=())
     all_logit_rows: bool = False  # EXTEND: logits for every row (prompt logprobs)
     pruned: bool = False  # DRAFT_EXTEND: logits only at each request's last accepted row
+    # Host bound on every seq_len of the batch (exact for prefill; for device-built decode views an upper
+    # bound that covers an iteration still in flight). Backends size gathers by it without a sync.
+    max_seq_len: int = 0
+    graph_bs: int = 0  # the padded batch size a graph replay ran at (0: eager); set by the graph runner
 
     @property
     def expected_logit_rows(self) -> int:
@@ -84,6 +143,10 @@ class ForwardBatch:
     @property
     def seq_lens_cpu(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    def meta(self, tp_size: int = 1, layout: Layout = "all_reduce") -> RowMeta:
+        return row_meta(self.mode, self.bs, self.width, pruned=self.pruned, num_tokens=self.num_tokens,
+                        all_rows=self.all_logit_rows, tp_size=tp_size, layout=layout)
 
 
 def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_pool_indices: list[int],
@@ -121,4 +184,27 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
         req_pool_indices=rpi.to(device), seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)], device=device),
         extend_lens=list(extend_lens), prefix_lens=list(prefix_lens), logit_rows=rows.to(device),
         width=width, rids=rids, all_logit_rows=all_logit_rows, pruned=pruned_rows is not None,
+        max_seq_len=max((p + e for p, e in zip(prefix_lens, extend_lens)), default=0),
+    )
+
+
+def uniform_batch(mode: ForwardMode, *, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
+                  kv_lens: torch.Tensor, req_to_token: torch.Tensor, width: int, host_kv_lens: list[int],
+                  max_seq_len: int, logit_rows: torch.Tensor, pruned: bool = False,
+                  rids: tuple[str, ...] = ()) -> ForwardBatch:
+    """A DECODE / TARGET_VERIFY / DRAFT_EXTEND view computed on the device from the slot state.
+
+    Request b's W rows sit at positions kv_lens[b] .. kv_lens[b]+W-1 (kv_lens: [bs] device, the KV
+    length before this forward) and write the slots the request-to-token map holds there. Nothing is
+    read back: `host_kv_lens` (the host's view, exact unless an iteration is still in flight) and
+    `max_seq_len` (a bound covering that) are the host-side description the backends may use."""
+    bs = int(req_pool_indices.shape[0])
+    ar = torch.arange(width, device=kv_lens.device)
+    pos = kv_lens.view(-1, 1) + ar.view(1, -1)  # [bs, W]
+    loc = req_to_token[req_pool_indices.view(-1, 1), pos]
+    return ForwardBatch(
+        mode=mode, input_ids=input_ids.reshape(-1), positions=pos.view(-1), out_cache_loc=loc.view(-1),
+        req_pool_indices=req_pool_indices, seq_lens=kv_lens + width, extend_lens=[width] * bs,
+        prefix_lens=list(host_kv_lens), logit_rows=logit_rows, width=width, rids=rids, pruned=pruned,
+        max_seq_len=max_seq_len,
     )

@@ -5,17 +5,24 @@ attention backend one forward uses. Each runner owns exactly one binding, built 
 and backend; `ModelRunner.bind(batch)` stamps a batch view with it and `ModelRunner.forward`
 refuses any batch that carries a different binding. There is no shared "current pool" anywhere, so
 a draft step cannot silently read or write another step's KV. Runners know nothing of speculation:
-the speculative worker composes them.
+the speculative worker composes them. A runner may own a `GraphRunner` (CUDA graphs of its uniform
+forwards): `forward` checks the binding first, then replays a captured graph when the batch fits one
+and runs eagerly otherwise, counting every eager forward by its reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from mleagle.engine.executor.graph_runner import GraphRunner
 
 from mleagle.engine.attention.base import AttentionBackend, BindingError
 from mleagle.engine.executor.forward_batch import ForwardBatch
@@ -35,6 +42,8 @@ class StepBinding:
 class ForwardOutput:
     logits: torch.Tensor  # [num_logit_rows, V] float32
     hidden: torch.Tensor  # [T, H] last layer's hidden before the final norm
+    graph_bs: int = 0  # the bucket a graph replay ran at; 0 = eager
+    eager_reason: str | None = None
 
 
 class ModelRunner:
@@ -48,6 +57,13 @@ class ModelRunner:
         self.num_forwards = 0
         # Called after every forward with (runner, batch, output): the engine's telemetry hook.
         self.observer: Callable[[ModelRunner, ForwardBatch, ForwardOutput], None] | None = None
+        self.graphs: GraphRunner | None = None
+        self.no_graph_reason = "cpu" if kv_pool.k[0].device.type == "cpu" else "disabled"
+        self.eager: Counter[str] = Counter()  # eager forwards by why no graph ran
+
+    def eager_reason(self) -> str | None:
+        """Why an EXTEND (prefill) forward of this runner ran eagerly: prefill is never captured."""
+        return "extend" if self.graphs is not None else self.no_graph_reason
 
     @property
     def binding(self) -> StepBinding:
@@ -63,14 +79,32 @@ class ModelRunner:
         if batch.binding is not self.binding:
             raise BindingError(f"runner {self.name} refuses a batch bound to "
                                f"{batch.binding.name if batch.binding else 'nothing'}")
+        why = self.graphs.fits(batch) if self.graphs is not None else self.no_graph_reason
+        if why is None:
+            assert self.graphs is not None
+            res = self.graphs.run(batch)
+            self.num_forwards += 1
+            if self.observer is not None:
+                self.observer(self, batch, res)
+            return res
+        self.eager[why] += 1
+        return self.forward_eager(batch, reason=why)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch, *, observe: bool = True, reason: str | None = None) -> ForwardOutput:
+        """The reference forward (graph capture runs it too, on the graph runner's buffers)."""
+        if batch.binding is not self.binding:
+            raise BindingError(f"runner {self.name} refuses a batch bound to "
+                               f"{batch.binding.name if batch.binding else 'nothing'}")
         self.binding.backend.plan(batch)
         hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
         rows = batch.expected_logit_rows
         if logits.shape[0] != rows:
             raise AssertionError(f"{self.name}: {logits.shape[0]} logit rows, the rule says {rows}")
-        self.num_forwards += 1
-        res = ForwardOutput(logits, hidden)
-        if self.observer is not None:
-            self.observer(self, batch, res)
+        res = ForwardOutput(logits, hidden, eager_reason=reason)
+        if observe:
+            self.num_forwards += 1
+            if self.observer is not None:
+                self.observer(self, batch, res)
         return res

@@ -1,22 +1,31 @@
-"""The target-only worker: prefill chunks and decode steps over the target runner.
+"""The target-only worker: prefill chunks and decode steps over the target runner, device-resident.
 
 A worker turns scheduled requests into forward batches, runs them on its runners and samples. The
-scheduler owns memory and request life; the worker owns forwards. The speculative worker
-(`mleagle.engine.spec.worker`) implements the same interface with draft runners beside the target.
-`lookahead` says how many KV positions one decode step writes per request beyond `kv_len`.
+scheduler owns memory and request life; the worker owns forwards and the per-slot device state
+(`SlotState`). Prefill is eager and host-described (ragged chunks); a decode step is `launch` (gather
+the batch's rows from the slot state, forward — a graph replay where one is captured — sample,
+scatter the new state back, and start one non-blocking copy of the results into pinned memory) then
+`finish` (wait for that copy, turn it into per-request results). Nothing in between reads the device,
+so the engine can launch step N+1 before it finishes step N (overlap scheduling). The speculative
+worker (`mleagle.engine.spec.worker`) implements the same interface with draft runners beside the
+target. `lookahead` says how many KV positions one decode step writes per request beyond `kv_len`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from mleagle.engine.contract.outputs import TokenLogprob
 from mleagle.engine.core.request import Req
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch, uniform_batch
 from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
-from mleagle.engine.sampling.sampler import RowInfo, logprobs_of, sample
+from mleagle.engine.executor.slot_state import SlotState
+from mleagle.engine.sampling.processor import RowFlags, penalize
+from mleagle.engine.sampling.sampler import logprobs, sample
 
 
 @dataclass
@@ -28,39 +37,125 @@ class StepResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def row_info(req: Req, extra: list[int] | None = None, eos_ids: frozenset[int] = frozenset()) -> RowInfo:
-    out = req.output_ids + (extra or [])
-    sp = req.params
-    # Before min_new_tokens, EOS and stop ids are banned (as HF's and vLLM's min-tokens processors do).
-    suppress = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_ids)) if len(out) < sp.min_new_tokens else []
-    return RowInfo(sp, req.seed, len(out), req.prompt_ids, out, suppress)
+class Timer:
+    """Marks on the device's timeline (CUDA events) or the host clock (CPU); read after the sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        m = self.marks
+        if self.cuda:
+            return [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(len(m) - 1)]
+        return [m[i + 1] - m[i] for i in range(len(m) - 1)]
+
+
+@dataclass
+class Pending:
+    """An iteration launched on the device whose results are still on their way back."""
+
+    reqs: list[Req]
+    batch: ForwardBatch
+    width: int  # token slots per request in the packed result
+    flags: RowFlags
+    packed: torch.Tensor  # host (pinned on CUDA) float64 [bs, K]: tokens, emitted count, logprobs
+    done: torch.cuda.Event | None
+    timer: Timer
+    epoch: list[int]  # each request's epoch at launch: a request preempted since gets no results
+    # Every forward of the iteration: (runner name, batch view, graph bucket or 0, why eager).
+    forwards: list[tuple[str, ForwardBatch, int, str | None]] = field(default_factory=list)
+
+
+def pack(tokens: torch.Tensor, n_emit: torch.Tensor, lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+         width: int) -> torch.Tensor:
+    """One float64 [bs, K] tensor (ids < 2^53 and float32 logprobs are exact in float64), so one copy
+    carries the whole iteration back: K = W tokens + 1 count (+ W·(1 + 2N) logprob fields)."""
+    bs = tokens.shape[0]
+    parts = [tokens.view(bs, width).double(), n_emit.view(bs, 1).double()]
+    if lp is not None:
+        chosen, tv, ti = lp
+        n = tv.shape[1]
+        parts += [chosen.view(bs, width).double(), tv.view(bs, width * n).double(), ti.view(bs, width * n).double()]
+    return torch.cat(parts, dim=1)
+
+
+def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+    """Per request: the emitted tokens, and their logprobs where the request asked for them."""
+    w = p.width
+    rows = p.packed.tolist()
+    top_n = max(p.flags.logprobs, 0)
+    res = []
+    for r, row in zip(p.reqs, rows):
+        n = int(row[w])
+        toks = [int(t) for t in row[:n]]
+        lps = None
+        if p.flags.logprobs >= 0 and r.params.logprobs is not None:
+            base = w + 1
+            chosen = row[base : base + w]
+            tv = row[base + w : base + w + w * top_n]
+            ti = row[base + w + w * top_n : base + w + 2 * w * top_n]
+            k = r.params.logprobs
+            lps = [TokenLogprob(token_id=toks[j], logprob=chosen[j],
+                                top=[(int(ti[j * top_n + i]), tv[j * top_n + i]) for i in range(k)])
+                   for j in range(n)]
+        res.append((toks, lps))
+    return res
 
 
 class TargetWorker:
     lookahead = 1
 
-    def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
+                 vocab: int = 0, max_reqs: int = 0, steps: int = 0):
         self.target = target
-        self.device = device
+        self.device = torch.device(device)
         self.eos_ids = eos_ids
+        self.vocab = vocab or target.model.arch.vocab_size  # type: ignore[union-attr]
+        max_reqs = max_reqs or target.binding.req_to_token.max_reqs
+        self.state = SlotState(max_reqs, self.vocab, steps, self.device, sorted(eos_ids))
         self.last_batch: ForwardBatch | None = None
+        self.inflight = 0  # iterations launched and not yet finished (0 or 1)
+        self.forwards: list = []  # the last launch's forwards (runner, batch, graph bucket, why eager)
+        self._pinned = self.device.type == "cuda"
 
     @property
     def runners(self) -> list[ModelRunner]:
         return [self.target]
 
+    @property
+    def r2t(self) -> torch.Tensor:
+        return self.target.binding.req_to_token.req_to_token
+
+    # --- prefill (eager, host-described) --------------------------------------------------------
     def prefill_batch(self, reqs: list[Req], chunks: list[int]) -> ForwardBatch:
         ids: list[int] = []
         for r, c in zip(reqs, chunks):
             ids += r.fill_ids[r.kv_len : r.kv_len + c]
         want_prompt_lp = any(r.params.prompt_logprobs is not None and r.prompt_logprobs is None for r in reqs)
         b = build_batch(ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                        prefix_lens=[r.kv_len for r in reqs], extend_lens=chunks,
-                        req_to_token=self.target.binding.req_to_token.req_to_token, all_logit_rows=want_prompt_lp,
-                        device=self.device, rids=tuple(r.rid for r in reqs))
+                        prefix_lens=[r.kv_len for r in reqs], extend_lens=chunks, req_to_token=self.r2t,
+                        all_logit_rows=want_prompt_lp, device=self.device, rids=tuple(r.rid for r in reqs))
         return self.target.bind(b)
 
+    def admit(self, reqs: list[Req]) -> None:
+        """Fill the slot-state rows of requests that start (or resume) in this prefill."""
+        new = [r for r in reqs if r.state_slot != r.req_pool_idx]
+        self.state.admit(new)
+        for r in new:
+            r.state_slot = r.req_pool_idx
+
     def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
+        self.admit(reqs)
         batch = self.prefill_batch(reqs, chunks)
         out = self.target.forward(batch)
         self.last_batch = batch
@@ -72,58 +167,135 @@ class TargetWorker:
         starts = [0]
         for c in chunks:
             starts.append(starts[-1] + c)
-        if batch.all_logit_rows:
-            last_rows = [s - 1 for s in starts[1:]]
-        else:
-            last_rows = list(range(len(reqs)))
+        last_rows = [s - 1 for s in starts[1:]] if batch.all_logit_rows else list(range(len(reqs)))
         results = [StepResult() for _ in reqs]
         for i, (r, c) in enumerate(zip(reqs, chunks)):
             if batch.all_logit_rows and r.params.prompt_logprobs is not None and r.prompt_logprobs is None:
                 results[i].prompt_logprobs = self._prompt_logprobs(r, logits[starts[i] : starts[i + 1]], c)
             r.kv_len += c
+        done = [i for i, r in enumerate(reqs) if not r.prefilling]
+        self.state.set_kv_len([reqs[i] for i in done])
         # A resumed request (preempted after generating) already has its next input token: no sample.
-        done = [i for i, r in enumerate(reqs) if not r.prefilling and not r.output_ids]
-        if done:
-            rows = logits[[last_rows[i] for i in done]]
-            infos = [row_info(reqs[i], eos_ids=self.eos_ids) for i in done]
-            toks = sample(rows, infos)
-            lps = logprobs_of(rows, toks, [reqs[i].params.logprobs for i in done])
-            for j, i in enumerate(done):
-                results[i].tokens = [toks[j]]
-                if lps[j] is not None:
-                    results[i].logprobs = [lps[j]]  # type: ignore[list-item]
+        first = [i for i in done if not reqs[i].output_ids]
+        if first:
+            fr = [reqs[i] for i in first]
+            rpi = torch.tensor([r.req_pool_idx for r in fr], dtype=torch.int64).to(self.device)
+            rows_t = torch.tensor([last_rows[i] for i in first], dtype=torch.int64).to(self.device)
+            x_raw = logits.index_select(0, rows_t)
+            flags = self.state.flags([r.req_pool_idx for r in fr], fr)  # type: ignore[misc]
+            tok = self._sample(x_raw, rpi, flags)
+            lp = logprobs(x_raw, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+            self.state.commit(rpi, tok.view(-1, 1), torch.ones_like(tok), flags, kv=False)
+            host = pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1).cpu()
+            p = Pending(fr, batch, 1, flags, host, None, Timer(self.device), [r.epoch for r in fr])
+            for i, (toks, lps) in zip(first, unpack(p)):
+                results[i].tokens = toks
+                results[i].logprobs = lps
         return results
+
+    def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
+        rows = self.state.rows(rpi, 1, flags)
+        x = penalize(x_raw, rows, *self.state.context(rpi, flags))
+        return sample(x, rows)[0]
 
     def _prompt_logprobs(self, r: Req, logits: torch.Tensor, c: int) -> list[TokenLogprob | None]:
         """Row p predicts token p+1; the chunk covers positions kv_len..kv_len+c-1 of the prompt."""
         start = r.kv_len
         res: list[TokenLogprob | None] = [None] if start == 0 else []
-        targets = [t for t in r.prompt_ids[start + 1 : start + c + 1]]
+        targets = list(r.prompt_ids[start + 1 : start + c + 1])
         k = len(targets)  # the chunk's last row predicts beyond the prompt when the prompt ends here
         if k:
-            res += logprobs_of(logits[:k], targets, [r.params.prompt_logprobs] * k)
+            n = int(r.params.prompt_logprobs or 0)
+            chosen, tv, ti = logprobs(logits[:k], torch.tensor(targets, device=logits.device), n)
+            cl, tvl, til = chosen.tolist(), tv.tolist(), ti.tolist()
+            res += [TokenLogprob(token_id=t, logprob=cl[j], top=list(zip(til[j], tvl[j]))) for j, t in enumerate(targets)]
         return res
 
+    # --- decode (device-resident) ----------------------------------------------------------------
+    def rpi_of(self, reqs: Sequence[Req]) -> torch.Tensor:
+        t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        return t.pin_memory().to(self.device, non_blocking=True) if self._pinned else t
+
+    def view(self, mode: ForwardMode, reqs: list[Req], rpi: torch.Tensor, input_ids: torch.Tensor, width: int,
+             logit_rows: torch.Tensor, pruned: bool = False) -> ForwardBatch:
+        """The iteration's shared view: positions, slots and lengths from the slot state, on the device."""
+        lag = self.inflight * self.lookahead  # an iteration in flight may still advance kv_len
+        host = [r.kv_len for r in reqs]
+        return uniform_batch(mode, input_ids=input_ids, req_pool_indices=rpi, kv_lens=self.state.kv_len[rpi],
+                             req_to_token=self.r2t, width=width, host_kv_lens=host,
+                             max_seq_len=max(host, default=0) + lag + width, logit_rows=logit_rows, pruned=pruned,
+                             rids=tuple(r.rid for r in reqs))
+
     def decode_batch(self, reqs: list[Req]) -> ForwardBatch:
+        """A DECODE view built from host lists (reference probes and tests; the engine uses `launch`)."""
         b = build_batch(ForwardMode.DECODE, input_ids=[r.output_ids[-1] for r in reqs],
                         req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
                         prefix_lens=[r.kv_len for r in reqs], extend_lens=[1] * len(reqs),
-                        req_to_token=self.target.binding.req_to_token.req_to_token, device=self.device,
-                        rids=tuple(r.rid for r in reqs))
+                        req_to_token=self.r2t, device=self.device, rids=tuple(r.rid for r in reqs))
         return self.target.bind(b)
 
-    def decode(self, reqs: list[Req]) -> list[StepResult]:
-        batch = self.decode_batch(reqs)
+    def launch(self, reqs: list[Req]) -> Pending:
+        bs = len(reqs)
+        timer = Timer(self.device)
+        timer.mark()
+        rpi = self.rpi_of(reqs)
+        st = self.state
+        ar = self._arange(bs)
+        batch = self.target.bind(self.view(ForwardMode.DECODE, reqs, rpi, st.last_tok[rpi], 1, ar))
         out = self.target.forward(batch)
         self.last_batch = batch
-        toks = sample(out.logits, [row_info(r, eos_ids=self.eos_ids) for r in reqs])
-        lps = logprobs_of(out.logits, toks, [r.params.logprobs for r in reqs])
+        self.forwards = [(self.target.name, batch, out.graph_bs, out.eager_reason)]
+        flags = st.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        tok = self._sample(out.logits, rpi, flags)
+        lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+        one = torch.ones_like(tok)
+        st.commit(rpi, tok.view(-1, 1), one, flags)
+        timer.mark()
+        return self._send(reqs, batch, 1, flags, pack(tok.view(-1, 1), one, lp, 1), timer)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        a = getattr(self, "_ar_cache", None)
+        if a is None or a.shape[0] < n:
+            a = self._ar_cache = torch.arange(max(n, 64) * 2, device=self.device)
+        return a[:n]
+
+    def _send(self, reqs: list[Req], batch: ForwardBatch, width: int, flags: RowFlags, packed: torch.Tensor,
+              timer: Timer) -> Pending:
+        """Start the one copy back of the iteration (pinned, non-blocking on CUDA)."""
+        done = None
+        if self._pinned:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = packed
+        self.inflight += 1
+        return Pending(list(reqs), batch, width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
+
+    def finish(self, p: Pending) -> list[StepResult]:
+        """Wait for an iteration's results; a request preempted or finished since its launch gets none."""
+        if p.done is not None:
+            p.done.synchronize()
+        self.inflight -= 1
         res = []
-        for r, t, lp in zip(reqs, toks, lps):
-            r.kv_len += 1
-            res.append(StepResult([t], [lp] if lp is not None else None))
+        for r, e, (toks, lps) in zip(p.reqs, p.epoch, unpack(p)):
+            if r.finished or r.epoch != e:
+                res.append(StepResult())
+                continue
+            r.kv_len += len(toks)
+            res.append(StepResult(toks, lps))
+        self.on_finish(p, res)
         return res
 
+    def on_finish(self, p: Pending, res: list[StepResult]) -> None:
+        """Hook for the speculative worker's accounting."""
+
+    def decode(self, reqs: list[Req]) -> list[StepResult]:
+        return self.finish(self.launch(reqs))
+
     def release(self, req: Req) -> None:
-        """Drop per-request worker state (the speculative worker keeps drafts here)."""
+        """Drop per-request worker state (the speculative worker keeps prefill hidden states here)."""
         req.draft_state = None
+        req.state_slot = None
+        req.epoch += 1

@@ -59,32 +59,29 @@ class Telemetry:
             return
         bus, step = self.bus, s.num_steps
         w = self.e.worker
-        b = w.last_batch if s.last_mode != "IDLE" else None
+        pend = s.last_finished if s.last_mode == "DECODE" else None
+        b = s.last_prefill if s.last_mode == "EXTEND" else pend.batch if pend is not None else None
         verify = b is not None and b.mode.value == "TARGET_VERIFY"
         last = getattr(w, "last", None) if verify else None
-        if b is not None:
-            if b.mode.value == "EXTEND":
-                self.prompt_window += b.num_tokens
-            drafts = getattr(w, "step_batches", []) if verify else []
-            times = last.draft_layer_s if last is not None else []
-            for k, db in enumerate(drafts):
-                bus.emit(ev.BatchEvent(step=step, mode=db.mode.value, runner=db.binding.name if db.binding else "?",
-                                       rids=list(db.rids), num_tokens_per_req=list(db.extend_lens),
-                                       num_tokens=db.num_tokens, bs=db.bs, padded_bs=db.bs, graph="eager",
-                                       eager_reason=self.e.device.type,
-                                       duration_s=times[k] if k < len(times) else 0.0,
-                                       num_running=len(s.running), num_waiting=len(s.waiting)))
-            # The target's batch goes last, so a subscriber's "last batch" is the step's main forward.
-            bus.emit(ev.BatchEvent(step=step, mode=b.mode.value, runner="target", rids=list(b.rids),
-                                   num_tokens_per_req=list(b.extend_lens), num_tokens=b.num_tokens, bs=b.bs,
-                                   padded_bs=b.bs, graph="eager", eager_reason=self.e.device.type,
-                                   duration_s=duration, num_running=len(s.running), num_waiting=len(s.waiting)))
-            if last is not None and last.bs:
-                depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
-                bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
-                                            accept_lens=[n + 1 for n in last.accepted], rids=list(b.rids),
-                                            draft_time_s=last.draft_s, verify_time_s=last.verify_s,
-                                            draft_time_per_layer_s=list(last.draft_layer_s)))
+        if b is not None and b.mode.value == "EXTEND":
+            self.prompt_window += b.num_tokens
+        forwards = list(pend.forwards) if pend is not None else [("target", b, 0, self.e.target.eager_reason())] if b is not None else []
+        times = last.draft_layer_s if last is not None else []
+        # Draft steps first, the target's batch last, so a subscriber's "last batch" is the step's main forward.
+        for k, (name, fb, gbs, why) in enumerate(forwards[1:] + forwards[:1]):
+            main = name == "target"
+            bus.emit(ev.BatchEvent(step=step, mode=fb.mode.value, runner=name, rids=list(fb.rids),
+                                   num_tokens_per_req=list(fb.extend_lens), num_tokens=fb.num_tokens, bs=fb.bs,
+                                   padded_bs=gbs or fb.bs, graph="replay" if gbs else "eager",
+                                   eager_reason=None if gbs else why,
+                                   duration_s=duration if main else times[k] if k < len(times) else 0.0,
+                                   num_running=len(s.running), num_waiting=len(s.waiting)))
+        if last is not None and last.bs:
+            depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
+            bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
+                                        accept_lens=[n + 1 for n in last.accepted], rids=list(b.rids),
+                                        draft_time_s=last.draft_s, verify_time_s=last.verify_s,
+                                        draft_time_per_layer_s=list(last.draft_layer_s)))
         for u in self.e.pool_usage():
             bus.emit(ev.PoolEvent(runner=u["runner"], kv_used=u["kv_used"], kv_total=u["kv_total"],
                                   req_used=u["req_used"], req_total=u["req_total"],
@@ -149,5 +146,9 @@ class Telemetry:
             mean_accept_len=stats.accept_len if stats is not None and stats.num_verify else None,
             steps_total=s.num_steps))
         for r in self.e.runners:
-            self.bus.emit(ev.GraphEvent(runner=r.name, enabled=False, eager={self.e.device.type: self.forwards.get(r.name, 0)}))
+            g = r.graphs
+            self.bus.emit(ev.GraphEvent(
+                runner=r.name, enabled=g is not None, mode=g.mode.value if g is not None else None,
+                buckets=list(g.buckets) if g is not None else [], replays=dict(g.stats.replays) if g is not None else {},
+                eager=dict(r.eager), capture_time_s=g.stats.capture_s if g is not None else None))
         self.last_status = now

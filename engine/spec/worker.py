@@ -1,32 +1,39 @@
-"""The speculative worker: verify → accept → draft-extend, with one runner per draft step.
+"""The speculative worker: verify → accept → draft-extend, with one runner per draft step, on the device.
 
 Each draft runner k owns layer k's weights, its own KV pool, request-to-token map and attention
 backend (see `ModelRunner`); the worker composes them. One iteration for a batch of bs requests,
-W = S+1 rows each:
+W = S+1 rows each, with no read back to the host until its single result copy:
 
-1. verify: TARGET_VERIFY over [bonus, d1..dS] at positions kv_len..kv_len+S (bs·W logit rows).
-2. accept: greedy match against the target's (penalised) argmax, or Leviathan/Chen rejection
-   sampling with the draft's distributions; row j's penalties see the output plus d1..dj, so
-   penalties stay exact. Logprobs of emitted tokens come from these target logits.
+1. verify: TARGET_VERIFY over [bonus, d1..dS] at positions kv_len..kv_len+S (bs·W logit rows). The
+   bonus and the drafts come from the slot state (`SlotState.last_tok`, `.drafts`); positions, slots
+   and lengths are computed once on the device and shared by every step of the iteration.
+2. accept: greedy `cumprod(drafts == argmax)` over the target's penalised rows (row j's penalties see
+   the output plus d1..dj, so penalties stay exact), or Leviathan/Chen rejection sampling with the
+   draft's stored distributions, branch-free over the batch, then a residual (or bonus) draw; random
+   draws are keyed by (seed, output position, stream, iteration), so a seeded request is
+   batch-invariant. Logprobs of emitted tokens come from these target logits.
 3. draft-extend: for k = 0..S-1 one DRAFT_EXTEND over the same W rows per request, derived from one
    immutable view with `dataclasses.replace` (only input ids, input hidden and binding change),
-   logits pruned to each request's last accepted row; the ids window is rotated left by one and the
-   new draft written at that row before the next step.
+   logits pruned to each request's last accepted row (a device index); the id window rotates left by
+   one and the new draft lands at that row before the next step. The new drafts (and, for sampled
+   requests, their distributions) are written into the slot state for the next verify.
 
 Prefill runs the target (possibly in chunks, stashing its hidden states), and when a request's
-prefill completes, each draft runner k runs over the whole sequence, filling its own pool.
+prefill completes, each draft runner k runs over the whole sequence, filling its own pool and
+yielding the first drafts.
 
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
 tokens that were drafts at the time; where the next verify rejects those drafts that KV stays
 stale. It can lower acceptance, never change output (the target verifies every token).
-`boundary_kv_stale_positions` counts such positions so the cost is observable.
+`boundary_kv_stale_positions` counts such positions so the cost is observable. The `recompute`
+reference policy re-runs every draft layer over the whole committed sequence each iteration (it
+reads the accepted counts back first: a measuring tool, not a serving mode).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,18 +42,15 @@ from mleagle.engine.contract.outputs import SpecStats
 from mleagle.engine.core.request import Req
 from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
 from mleagle.engine.executor.runner import ModelRunner
-from mleagle.engine.executor.worker import StepResult, TargetWorker, row_info
+from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker, Timer, pack
 from mleagle.engine.sampling import rng
-from mleagle.engine.sampling.processor import probs_from_logits
-from mleagle.engine.sampling.sampler import logprobs_of, processed_logits
+from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
+from mleagle.engine.sampling.sampler import draw, logprobs
 
 
 @dataclass
 class DraftState:
-    drafts: list[int] = field(default_factory=list)  # d1..dS following the bonus (output_ids[-1])
-    q: torch.Tensor | None = None  # [S, V] draft distributions, for sampled requests
     hidden_stash: list[torch.Tensor] = field(default_factory=list)  # target hidden per prefill chunk
-    iters: int = 0  # verify iterations so far: part of the random key, so re-drafted positions get fresh noise
 
 
 @dataclass
@@ -57,19 +61,19 @@ class IterationStats:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per request
     verify_s: float = 0.0
     draft_s: float = 0.0
-    draft_layer_s: list[float] = field(default_factory=list)  # wall time of each draft step's forward
+    draft_layer_s: list[float] = field(default_factory=list)  # time of each draft step's forward
 
 
 class SpecWorker(TargetWorker):
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
-                 boundary_kv: str = "stale"):
-        super().__init__(target, device, eos_ids)
+                 boundary_kv: str = "stale", vocab: int = 0, max_reqs: int = 0):
         if boundary_kv not in ("stale", "recompute"):
             raise ValueError(f"boundary_kv must be 'stale' or 'recompute', not {boundary_kv!r}")
-        self.boundary_kv = boundary_kv
         if not 1 <= steps <= len(drafts):
             raise ValueError(f"spec steps {steps} must be in 1..{len(drafts)} (the draft's layers)")
+        super().__init__(target, device, eos_ids, vocab, max_reqs, steps)
+        self.boundary_kv = boundary_kv
         self.drafts = drafts[:steps]
         self.chain, self.steps = chain, steps
         self.lookahead = steps + 1
@@ -85,6 +89,7 @@ class SpecWorker(TargetWorker):
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
+        self.admit(reqs)
         batch = self.prefill_batch(reqs, chunks)
         out = self.target.forward(batch)
         self.last_batch = batch
@@ -97,20 +102,20 @@ class SpecWorker(TargetWorker):
         results = self.finish_prefill(reqs, chunks, batch, out)
         done = [i for i, r in enumerate(reqs) if not r.prefilling]
         if done:
-            t0 = time.perf_counter()
+            timer = Timer(self.device)
+            timer.mark()
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
             self._draft_prefill([reqs[i] for i in done], bonus)
-            self.stats.draft_time_s += time.perf_counter() - t0
+            timer.mark()
+            self.stats.draft_time_s += sum(timer.spans())
         return results
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
         """Each draft runner over the whole sequence of each request: layer k at position p reads
         t_{p+k+1}, so its ids are the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
         lens = [r.kv_len for r in reqs]
-        toks = [r.fill_ids[: r.kv_len] + [b] for r, b in zip(reqs, bonus)]
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                           prefix_lens=[0] * len(reqs), extend_lens=lens,
-                           req_to_token=self.target.binding.req_to_token.req_to_token, device=self.device,
+                           prefix_lens=[0] * len(reqs), extend_lens=lens, req_to_token=self.r2t, device=self.device,
                            rids=tuple(r.rid for r in reqs))
         target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
         if self.boundary_kv == "stale":
@@ -119,174 +124,197 @@ class SpecWorker(TargetWorker):
         else:  # "recompute" keeps every committed position's target hidden for the next full pass
             for r, n in zip(reqs, lens):
                 r.draft_state.hidden_stash = [torch.cat(r.draft_state.hidden_stash)[:n]]
+        # Token windows: the committed sequence (and the bonus); position p of layer k reads t_{p+k+1},
+        # the tail filled by the drafts as they are made, on the device.
+        seq = torch.tensor([t for r, b in zip(reqs, bonus) for t in [*r.fill_ids[: r.kv_len], b]],
+                           dtype=torch.int64).to(self.device)
+        starts = torch.tensor([0, *torch.tensor(lens).add(1).cumsum(0).tolist()[:-1]], dtype=torch.int64).to(self.device)
+        ends = starts + torch.tensor(lens).to(self.device)  # index of the bonus in `seq`, per request
+        rel = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        base = torch.repeat_interleave(starts, torch.tensor(lens).to(self.device)) + rel  # position p's index
+        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(self.device)
+        flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
+        tail = torch.zeros(len(reqs), self.steps + 1, dtype=torch.int64, device=self.device)
         h = target_hidden
-        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         self.step_batches = []
+        last_rows = ends - torch.arange(len(reqs), device=self.device) - 1  # each request's last row in the view
         for k, runner in enumerate(self.drafts):
-            ids = torch.tensor([t for tk, n in zip(toks, lens) for t in tk[k + 1 : k + 1 + n]], dtype=torch.int64)
-            b = dataclasses.replace(view, input_ids=ids.to(self.device), hidden_in=h, binding=runner.binding)
+            # t_{p+k+1}: inside the sequence for p+k+1 <= kv_len (the bonus at kv_len), else drafts made so far.
+            idx = base + k + 1
+            over = idx - torch.repeat_interleave(ends, torch.tensor(lens).to(self.device))  # > 0: past the bonus
+            ids = torch.where(over <= 0, seq[idx.clamp(max=seq.shape[0] - 1)],
+                              tail[torch.repeat_interleave(torch.arange(len(reqs), device=self.device),
+                                                           torch.tensor(lens).to(self.device)), over.clamp(min=0)])
+            b = dataclasses.replace(view, input_ids=ids, hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
             o = runner.forward(b)
-            d, q = self._draft_tokens(reqs, o.logits, k)
-            for i, tk in enumerate(toks):
-                tk.append(d[i])
-                if q is not None and q[i] is not None:
-                    qs[i].append(q[i])
+            logits = o.logits  # EXTEND: one row per request, its last position
+            d = self._draft_tokens(rpi, logits, k, flags)
+            tail[:, k + 1] = d
             h = o.hidden if self.chain else target_hidden
-        for i, r in enumerate(reqs):
-            r.draft_state.drafts = toks[i][lens[i] + 1 :]
-            r.draft_state.q = torch.stack(qs[i]) if qs[i] else None
+        del last_rows
 
-    def _draft_tokens(self, reqs: list[Req], logits: torch.Tensor, k: int) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """Draft k+1 per request from the draft's logits: argmax for greedy requests, a sample from
-        the processed draft distribution q (kept for rejection sampling) otherwise."""
-        if all(r.params.greedy for r in reqs):
-            return logits.argmax(-1).tolist(), None
-        probs = probs_from_logits(logits, [r.params for r in reqs])
-        toks: list[int] = []
-        qs: list[torch.Tensor | None] = []
-        for i, r in enumerate(reqs):
-            if r.params.greedy:
-                toks.append(int(logits[i].argmax()))
-                qs.append(None)
-                continue
-            st: DraftState = r.draft_state
-            pos = r.kv_len - len(r.prompt_ids) + 1 + k  # output index this draft proposes (the bonus sits at kv_len)
-            e = rng.exponential(r.seed, pos, probs.shape[1], rng.STREAM_DRAFT, st.iters).to(logits.device)
-            toks.append(int((probs[i] / e).argmax()))
-            qs.append(probs[i])
-        return toks, qs
+    def _draft_tokens(self, rpi: torch.Tensor, logits: torch.Tensor, k: int, flags: RowFlags,
+                      rows: SamplingRows | None = None) -> torch.Tensor:
+        """Draft k+1 per request: argmax for greedy requests, a draw from the processed draft
+        distribution q otherwise (q kept in the slot state for rejection sampling). Written to the slot
+        state's drafts; returned for the next step's id window."""
+        st = self.state
+        if flags.all_greedy:
+            d = logits.argmax(-1)
+        else:
+            if rows is None:
+                rows = st.rows(rpi, 1, flags)
+            rk = dataclasses.replace(rows, pos=rows.pos + k)
+            q = probs_from_logits(logits.float(), rk)
+            d = torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT))
+            assert st.draft_q is not None
+            st.draft_q[rpi, k] = q
+        st.drafts[rpi, k] = d
+        return d
 
     # --- decode iteration ----------------------------------------------------------------------
-    def decode(self, reqs: list[Req]) -> list[StepResult]:
-        w, bs = self.steps + 1, len(reqs)
-        t0 = time.perf_counter()
-        prefix = [r.kv_len for r in reqs]
-        ids = [t for r in reqs for t in [r.output_ids[-1], *r.draft_state.drafts]]
-        view = build_batch(ForwardMode.TARGET_VERIFY, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                           prefix_lens=prefix, extend_lens=[w] * bs, width=w,
-                           req_to_token=self.target.binding.req_to_token.req_to_token, device=self.device,
-                           rids=tuple(r.rid for r in reqs))
+    def launch(self, reqs: list[Req]) -> Pending:
+        st = self.state
+        s, w, bs = self.steps, self.steps + 1, len(reqs)
+        timer = Timer(self.device)
+        timer.mark()
+        rpi = self.rpi_of(reqs)
+        drafts = st.drafts[rpi]  # [bs, S]
+        ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
+        view = self.view(ForwardMode.TARGET_VERIFY, reqs, rpi, ids, w, self._arange(bs * w))
         vb = self.target.bind(view)
         out = self.target.forward(vb)
         self.last_batch = vb
-        results: list[StepResult] = []
-        predict = out.logits.argmax(-1).view(bs, w).tolist()
-        accepted: list[int] = []
-        for i, r in enumerate(reqs):
-            emitted = self._accept(r, out.logits[i * w : (i + 1) * w])
-            n = len(emitted) - 1
-            accepted.append(n)
-            predict[i][: n + 1] = emitted
-            lps = logprobs_of(out.logits[i * w : i * w + n + 1], emitted, [r.params.logprobs] * (n + 1))
-            results.append(StepResult(emitted, lps if r.params.logprobs is not None else None))  # type: ignore[arg-type]
-        t1 = time.perf_counter()
+        self.forwards = [(self.target.name, vb, out.graph_bs, out.eager_reason)]
+        flags = st.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        rows = st.rows(rpi, w, flags)
+        x = penalize(out.logits, rows, *st.context(rpi, flags, drafts))
+        pred = x.argmax(-1).view(bs, w)
+        ar = st._ar[:w].view(1, w)
+        if flags.all_greedy:
+            n = (drafts == pred[:, :s]).to(torch.int64).cumprod(1).sum(1)
+            final = pred.gather(1, n.view(-1, 1)).view(-1)
+            emitted = pred  # accepted drafts equal the target's argmax at their rows
+        else:
+            n, final = self._reject(x, rows, drafts, pred, rpi, bs, w)
+            emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
+            emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
+        n_emit = n + 1
+        lp = logprobs(out.logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+        st.commit(rpi, emitted, n_emit, flags)
+        st.iters[rpi] += 1
+        timer.mark()
         # Draft-extend over the same rows. Rows past a request's last accepted row carry the target's
         # guesses; their KV lands at positions >= the new kv_len, which the next iteration rewrites.
-        sel = [i * w + n for i, n in enumerate(accepted)]
-        flat = torch.tensor([t for row in predict for t in row], dtype=torch.int64)
-        dview = build_batch(ForwardMode.DRAFT_EXTEND, input_ids=flat, req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                            prefix_lens=prefix, extend_lens=[w] * bs, width=w, pruned_rows=sel,
-                            req_to_token=self.target.binding.req_to_token.req_to_token, device=self.device,
-                            rids=tuple(r.rid for r in reqs))
-        for r, n, res in zip(reqs, accepted, results):
-            r.kv_len += n + 1
-            # Temporarily extend output so draft positions/penalty contexts count the emitted tokens.
-            r.output_ids.extend(res.tokens)
-        try:
-            if self.boundary_kv == "stale":
-                self._draft_extend(reqs, dview, out.hidden, flat, sel)
-            else:
-                # Reference policy: every draft layer re-runs over the whole committed sequence, so
-                # no layer keeps KV computed from drafts. O(sequence) per iteration: for measuring
-                # what the stale policy costs in acceptance, not for serving.
-                for i, (r, n) in enumerate(zip(reqs, accepted)):
-                    r.draft_state.hidden_stash.append(out.hidden[i * w : i * w + n + 1])
-                    r.draft_state.iters += 1
-                t_d = time.perf_counter()
-                self._draft_prefill(reqs, [res.tokens[-1] for res in results])
-                self.layer_times = [(time.perf_counter() - t_d) / self.steps] * self.steps
-        finally:
-            for r, res in zip(reqs, results):
-                del r.output_ids[len(r.output_ids) - len(res.tokens) :]
-        t2 = time.perf_counter()
-        self._account(reqs, accepted, t1 - t0, t2 - t1)
-        return results
+        sel = torch.arange(bs, device=self.device) * w + n
+        if self.boundary_kv == "stale":
+            dview = dataclasses.replace(view, mode=ForwardMode.DRAFT_EXTEND, logit_rows=sel, pruned=True)
+            self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer)
+        packed = pack(emitted, n_emit, lp, w)
+        p = self._send(reqs, vb, w, flags, packed, timer)
+        if self.boundary_kv == "recompute":
+            p = self._recompute(p, out.hidden)
+        return p
 
-    def _draft_extend(self, reqs: list[Req], view: ForwardBatch, target_hidden: torch.Tensor,
-                      ids: torch.Tensor, sel: list[int]) -> None:
+    def _reject(self, x: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, pred: torch.Tensor, rpi: torch.Tensor,
+                bs: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling over the batch: accepted drafts n [bs] and the token at row n [bs]."""
+        s, v = w - 1, x.shape[1]
+        st = self.state
+        p = probs_from_logits(x, rows).view(bs, w, v)
+        assert st.draft_q is not None
+        q = st.draft_q[rpi]  # [bs, S, V]
+        pd = p[:, :s].gather(2, drafts.unsqueeze(-1)).squeeze(-1)
+        qd = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)
+        u = self._accept_uniform(rows, bs, w)
+        greedy = rows.greedy.view(bs, w)[:, 0]
+        ok = torch.where(greedy.view(-1, 1), drafts == pred[:, :s], (qd > 0) & (u * qd < pd))
+        n = ok.to(torch.int64).cumprod(1).sum(1)
+        pn = p.gather(1, n.view(bs, 1, 1).expand(bs, 1, v)).squeeze(1)
+        qn = q.gather(1, n.clamp(max=s - 1).view(bs, 1, 1).expand(bs, 1, v)).squeeze(1)
+        res = torch.clamp(pn - torch.where((n < s).view(-1, 1), qn, 0.0), min=0)
+        res = torch.where(res.sum(-1, keepdim=True) > 0, res, pn)
+        stream = torch.where(n < s, rng.STREAM_RESIDUAL, rng.STREAM_TOKEN)
+        pos_n = rows.pos.view(bs, w).gather(1, n.view(-1, 1)).view(-1)
+        key = rng.keys(rows.seed.view(bs, w)[:, 0], pos_n, stream, rows.it.view(bs, w)[:, 0])
+        samp = (res / rng.exponential(key, v)).argmax(-1)
+        final = torch.where(greedy, pred.gather(1, n.view(-1, 1)).view(-1), samp)
+        return n, final
+
+    @staticmethod
+    def _accept_uniform(rows: SamplingRows, bs: int, w: int) -> torch.Tensor:
+        """The acceptance test's uniforms [bs, S]: row j's key is (seed, o + j, ACCEPT, iteration)."""
+        s = w - 1
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.view(bs, w)[:, :s].reshape(-1)
+
+        return rng.uniform(rng.keys(cut(rows.seed), cut(rows.pos), rng.STREAM_ACCEPT, cut(rows.it)), 1).view(bs, s)
+
+    def _draft_extend(self, rpi: torch.Tensor, view: ForwardBatch, target_hidden: torch.Tensor, emitted: torch.Tensor,
+                      n: torch.Tensor, flags: RowFlags, timer: Timer) -> None:
         h = target_hidden
-        sel_t = torch.tensor(sel, dtype=torch.int64, device=ids.device)
-        new: list[list[int]] = [[] for _ in reqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        ids = emitted  # layer 0 at row j reads t_{kv_len+j+1}: the emitted tokens, the target's guesses after
+        rows = None if flags.all_greedy else self.state.rows(rpi, 1, flags)
         self.step_batches = []
-        for r in reqs:
-            r.draft_state.iters += 1
-        self.layer_times = []
         for k, runner in enumerate(self.drafts):
-            t0 = time.perf_counter()
-            b = dataclasses.replace(view, input_ids=ids.to(self.device), hidden_in=h, binding=runner.binding)
+            b = dataclasses.replace(view, input_ids=ids.reshape(-1), hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
             o = runner.forward(b)
-            d, q = self._draft_tokens(reqs, o.logits, k)
-            self.layer_times.append(time.perf_counter() - t0)
-            for i in range(len(reqs)):
-                new[i].append(d[i])
-                if q is not None and q[i] is not None:
-                    qs[i].append(q[i])
+            self.forwards.append((runner.name, b, o.graph_bs, o.eager_reason))
+            d = self._draft_tokens(rpi, o.logits, k, flags, rows)
+            timer.mark()
             # Rotate: every window shifts left by one, and the new draft goes at the last accepted row.
-            ids = torch.cat([ids[1:], ids[-1:]])
-            ids[sel_t] = torch.tensor(d, dtype=torch.int64)
+            ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))
             h = o.hidden if self.chain else target_hidden
-        for i, r in enumerate(reqs):
-            r.draft_state.drafts = new[i]
-            r.draft_state.q = torch.stack(qs[i]) if qs[i] else None
 
-    def _accept(self, r: Req, logits: torch.Tensor) -> list[int]:
-        """Tokens emitted for one request from its W verify rows: accepted drafts, then one more."""
-        st: DraftState = r.draft_state
-        drafts = st.drafts
-        s = len(drafts)
-        infos = [row_info(r, drafts[:j], self.eos_ids) for j in range(s + 1)]
-        x = processed_logits(logits, infos)
-        if r.params.greedy:
-            pred = x.argmax(-1).tolist()
-            n = 0
-            while n < s and drafts[n] == pred[n]:
-                n += 1
-            return drafts[:n] + [pred[n]]
-        p = probs_from_logits(x, [r.params] * (s + 1))
-        o = len(r.output_ids)  # row j decides output index o + j
-        for j in range(s):
-            d = drafts[j]
-            qd = float(st.q[j, d]) if st.q is not None else 1.0
-            pd = float(p[j, d])
-            u = rng.uniform(r.seed, o + j, rng.STREAM_ACCEPT, st.iters)
-            if qd > 0 and u * qd < pd:  # accept with probability min(1, p/q)
-                continue
-            res = torch.clamp(p[j] - (st.q[j] if st.q is not None else 0), min=0)
-            if float(res.sum()) <= 0:
-                res = p[j]
-            e = rng.exponential(r.seed, o + j, res.shape[0], rng.STREAM_RESIDUAL, st.iters).to(logits.device)
-            return drafts[:j] + [int((res / e).argmax())]
-        e = rng.exponential(r.seed, o + s, p.shape[1], rng.STREAM_TOKEN, st.iters).to(logits.device)
-        return drafts + [int((p[s] / e).argmax())]
+    def _recompute(self, p: Pending, target_hidden: torch.Tensor) -> Pending:
+        """Reference boundary-KV policy: read the accepted counts, then re-run every draft layer over the
+        whole committed sequence of each request (O(sequence) per iteration)."""
+        if p.done is not None:
+            p.done.synchronize()
+        w = p.width
+        emitted = [[int(t) for t in row[: int(row[w])]] for row in p.packed.tolist()]
+        for i, (r, toks) in enumerate(zip(p.reqs, emitted)):
+            # The committed rows' target hidden (cloned: a graph's output buffer is rewritten next replay).
+            r.draft_state.hidden_stash.append(target_hidden[i * w : i * w + len(toks)].clone())
+            r.output_ids.extend(toks)  # temporarily: the windows read the committed tokens
+            r.kv_len += len(toks)
+        try:
+            self._draft_prefill(p.reqs, [toks[-1] for toks in emitted])
+        finally:
+            for r, toks in zip(p.reqs, emitted):
+                del r.output_ids[len(r.output_ids) - len(toks) :]
+                r.kv_len -= len(toks)
+        p.timer.mark()
+        return p
 
-    def _account(self, reqs: list[Req], accepted: list[int], verify_s: float, draft_s: float) -> None:
+    def on_finish(self, p: Pending, res: list[StepResult]) -> None:
+        """Host accounting once the iteration's counts are back: per request and global statistics."""
+        rows = p.packed.tolist()
+        accepted = [int(row[p.width]) - 1 for row in rows]
+        spans = p.timer.spans()
+        verify_s = spans[0] if spans else 0.0
+        layer = spans[1:] if self.boundary_kv == "stale" else [sum(spans[1:]) / self.steps] * self.steps
+        draft_s = sum(layer)
+        self.layer_times = list(layer)
+        self.last = IterationStats(len(p.reqs), accepted, verify_s, draft_s, list(layer))
         s = self.steps
-        self.last = IterationStats(len(reqs), accepted, verify_s, draft_s, list(self.layer_times))
-        self.stats.num_verify += len(reqs)
+        self.stats.num_verify += len(p.reqs)
         self.stats.verify_time_s += verify_s
         self.stats.draft_time_s += draft_s
-        for r, n in zip(reqs, accepted):
+        for r, n, out in zip(p.reqs, accepted, res):
+            if not out.tokens:  # preempted or finished since the launch: not an iteration of it
+                continue
             if r.spec is None:
                 r.spec = SpecStats(accepted_per_depth=[0] * s)
             sp = r.spec
             sp.num_verify += 1
             sp.num_draft_tokens += s
             sp.num_accepted_tokens += n
-            sp.verify_time_s += verify_s / len(reqs)
-            sp.draft_time_s += draft_s / len(reqs)
+            sp.verify_time_s += verify_s / len(p.reqs)
+            sp.draft_time_s += draft_s / len(p.reqs)
             self.stats.num_draft_tokens += s
             self.stats.num_accepted_tokens += n
             for j in range(n):
@@ -298,7 +326,7 @@ class SpecWorker(TargetWorker):
                 self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
 
     def release(self, req: Req) -> None:
-        req.draft_state = None
+        super().release(req)
 
 
 def build_spec_worker(engine: object) -> SpecWorker:
@@ -344,4 +372,4 @@ def build_spec_worker(engine: object) -> SpecWorker:
         runners.append(r)
     e.draft_stack = stack  # type: ignore[attr-defined]
     return SpecWorker(target, runners, chain, steps, e.device, frozenset(e.eos_ids),  # type: ignore[attr-defined]
-                      boundary_kv=ecfg.boundary_kv)
+                      boundary_kv=ecfg.boundary_kv, vocab=arch.vocab_size, max_reqs=e.max_reqs)  # type: ignore[attr-defined]

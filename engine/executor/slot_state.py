@@ -1,0 +1,185 @@
+"""Per-request decode state on the device, one row per request slot, updated in place every iteration.
+
+A request's slot (`req_pool_idx`, the row of its request-to-token map) also indexes its row here: the
+last emitted token (the next input), its drafts and their probabilities, its KV length, how many
+tokens it has emitted, its sampling parameters and seed, the speculative iteration count, and the
+penalty state (output-token counts, the prompt's token set, the tokens banned before
+`min_new_tokens`). A decode iteration gathers the rows of its batch, computes, and scatters the new
+values back: nothing done per step copies a request's history, so a step costs the same at token 10
+and at token 10,000. The extra last row is the pad row: graph padding reads it and nothing writes it.
+Rows are (re)filled when a request is admitted, in one batched copy per field; a few numpy mirrors
+give the host the per-batch flags (any penalties, any filters, the largest logprobs count) without a
+device read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mleagle.engine.core.request import Req
+from mleagle.engine.sampling.processor import RowFlags, SamplingRows
+
+
+class SlotState:
+    def __init__(self, max_reqs: int, vocab: int, steps: int, device: torch.device, eos_ids: Sequence[int]):
+        r = max_reqs + 1
+        self.pad_row = max_reqs
+        self.vocab, self.steps, self.device = vocab, steps, device
+        self.eos_ids = sorted(set(eos_ids))
+
+        def full(v: float | int | bool, dt: torch.dtype) -> torch.Tensor:
+            return torch.full((r,), v, dtype=dt, device=device)
+
+        f32, i64 = torch.float32, torch.int64
+        self.greedy = full(True, torch.bool)
+        self.temperature, self.top_p, self.min_p = full(1.0, f32), full(1.0, f32), full(0.0, f32)
+        self.top_k = full(vocab, i64)
+        self.rep, self.pres, self.freq = full(1.0, f32), full(0.0, f32), full(0.0, f32)
+        self.seed, self.min_new, self.n_out, self.iters = full(0, i64), full(0, i64), full(0, i64), full(0, i64)
+        self.kv_len, self.last_tok = full(0, i64), full(0, i64)
+        self.drafts = torch.zeros(r, max(steps, 1), dtype=i64, device=device)
+        self.draft_q: torch.Tensor | None = None  # [R, S, V] once a sampled request speculates
+        self.counts: torch.Tensor | None = None  # [R, V] int32 output-token counts, once penalties appear
+        self.prompt_seen: torch.Tensor | None = None  # [R, V] bool
+        self.ban: torch.Tensor | None = None  # [R, V] bool, once min_new_tokens appears
+        # Host mirrors: per-batch flags from numpy indexing, never from the device.
+        self.h_greedy = np.ones(r, bool)
+        self.h_pen = np.zeros(r, bool)
+        self.h_filter = np.zeros(r, bool)
+        self.h_minp = np.zeros(r, bool)
+        self.h_minnew = np.zeros(r, np.int64)
+        self.h_lp = np.full(r, -1, np.int64)
+        self._ar = torch.arange(max(steps, 1) + 1, device=device)
+
+    # --- admission ---------------------------------------------------------------------------
+    def admit(self, reqs: Sequence[Req]) -> None:
+        """(Re)fill the rows of requests starting (or resuming) prefill, one copy per field."""
+        if not reqs:
+            return
+        v = self.vocab
+        rows = [r.req_pool_idx for r in reqs]
+        ps = [r.params for r in reqs]
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+        def put(t: torch.Tensor, vals: list) -> None:
+            t.index_copy_(0, idx, torch.tensor(vals, dtype=t.dtype).to(self.device))
+
+        put(self.greedy, [p.greedy for p in ps])
+        put(self.temperature, [p.temperature if not p.greedy else 1.0 for p in ps])
+        put(self.top_k, [p.top_k if 0 < p.top_k < v else v for p in ps])
+        put(self.top_p, [p.top_p for p in ps])
+        put(self.min_p, [p.min_p for p in ps])
+        put(self.rep, [p.repetition_penalty for p in ps])
+        put(self.pres, [p.presence_penalty for p in ps])
+        put(self.freq, [p.frequency_penalty for p in ps])
+        put(self.seed, [r.seed for r in reqs])
+        put(self.min_new, [p.min_new_tokens for p in ps])
+        put(self.n_out, [len(r.output_ids) for r in reqs])
+        put(self.iters, [0] * len(reqs))
+        put(self.last_tok, [r.output_ids[-1] if r.output_ids else 0 for r in reqs])
+        for i, (row, p) in enumerate(zip(rows, ps)):
+            self.h_greedy[row] = p.greedy
+            self.h_pen[row] = p.has_penalties
+            self.h_filter[row] = not p.greedy and ((0 < p.top_k < v) or p.top_p < 1.0)
+            self.h_minp[row] = not p.greedy and p.min_p > 0
+            self.h_minnew[row] = p.min_new_tokens
+            self.h_lp[row] = -1 if p.logprobs is None else p.logprobs
+            del i
+        pen = [r for r in reqs if r.params.has_penalties]
+        if pen:
+            if self.counts is None:
+                self.counts = torch.zeros(self.pad_row + 1, v, dtype=torch.int32, device=self.device)
+                self.prompt_seen = torch.zeros(self.pad_row + 1, v, dtype=torch.bool, device=self.device)
+            assert self.prompt_seen is not None
+            pidx = torch.tensor([r.req_pool_idx for r in pen], dtype=torch.int64, device=self.device)
+            self.counts.index_fill_(0, pidx, 0)
+            self.prompt_seen.index_fill_(0, pidx, False)
+            for r in pen:  # admission only (not per step): the prompt's and any resumed output's tokens
+                row = int(r.req_pool_idx)  # type: ignore[arg-type]
+                ids = torch.tensor([t for t in r.prompt_ids if 0 <= t < v], dtype=torch.int64).to(self.device)
+                self.prompt_seen[row, ids] = True
+                out = torch.tensor([t for t in r.output_ids if 0 <= t < v], dtype=torch.int64).to(self.device)
+                if out.numel():
+                    self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        mn = [r for r in reqs if r.params.min_new_tokens > 0]
+        if mn:
+            if self.ban is None:
+                self.ban = torch.zeros(self.pad_row + 1, v, dtype=torch.bool, device=self.device)
+            for r in mn:
+                p = r.params
+                banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids)) if 0 <= t < v]
+                row = int(r.req_pool_idx)  # type: ignore[arg-type]
+                self.ban[row] = False
+                if banned:
+                    self.ban[row, torch.tensor(banned, dtype=torch.int64).to(self.device)] = True
+        if self.steps and not all(p.greedy for p in ps) and self.draft_q is None:
+            self.draft_q = torch.zeros(self.pad_row + 1, self.steps, v, dtype=torch.float32, device=self.device)
+
+    def set_kv_len(self, reqs: Sequence[Req]) -> None:
+        if reqs:
+            idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+            self.kv_len.index_copy_(0, idx.to(self.device), torch.tensor([r.kv_len for r in reqs]).to(self.device))
+
+    # --- per batch -----------------------------------------------------------------------------
+    def flags(self, rows: Sequence[int], reqs: Sequence[Req] | None = None) -> RowFlags:
+        """Host flags for a batch from the mirrors (bans only while some request is under its minimum)."""
+        r = np.asarray(rows, dtype=np.int64)
+        bans = bool((self.h_minnew[r] > 0).any())
+        if bans and reqs is not None:
+            bans = any(len(q.output_ids) < q.params.min_new_tokens + self.steps + 1 for q in reqs)
+        return RowFlags(all_greedy=bool(self.h_greedy[r].all()), penalties=bool(self.h_pen[r].any()),
+                        filters=bool(self.h_filter[r].any()), min_p=bool(self.h_minp[r].any()), bans=bans,
+                        logprobs=int(self.h_lp[r].max()) if len(r) else -1)
+
+    def rows(self, rpi: torch.Tensor, width: int, flags: RowFlags, offset: int = 0,
+             it_offset: int = 0) -> SamplingRows:
+        """Sampling rows for `width` consecutive output positions per request (verify: W; decode: 1):
+        row (b, j) decides output index n_out[b] + offset + j."""
+        def g(t: torch.Tensor) -> torch.Tensor:
+            x = t[rpi]
+            return x.repeat_interleave(width) if width > 1 else x
+
+        pos = (self.n_out[rpi].view(-1, 1) + offset + self._ar[:width].view(1, -1)).view(-1)
+        return SamplingRows(greedy=g(self.greedy), temperature=g(self.temperature), top_k=g(self.top_k),
+                            top_p=g(self.top_p), min_p=g(self.min_p), rep=g(self.rep), pres=g(self.pres),
+                            freq=g(self.freq), seed=g(self.seed), pos=pos, it=g(self.iters) + it_offset, flags=flags)
+
+    def context(self, rpi: torch.Tensor, flags: RowFlags, drafts: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(counts, seen, ban) per row: row j of a request sees its output plus drafts d_1..d_j (verify),
+        so penalties stay exact under speculation; bans apply while n_out + j < min_new_tokens."""
+        w = 1 if drafts is None else drafts.shape[1] + 1
+        counts = seen = ban = None
+        if flags.penalties and self.counts is not None and self.prompt_seen is not None:
+            c = self.counts[rpi]  # [bs, V]
+            if drafts is None:
+                counts = c
+            else:
+                add = torch.zeros(c.shape[0], w, self.vocab, dtype=torch.int32, device=c.device)
+                add[:, 1:].scatter_(2, drafts.unsqueeze(-1), 1)
+                counts = (c.unsqueeze(1) + add.cumsum(1, dtype=torch.int32)).view(-1, self.vocab)
+            ps = self.prompt_seen[rpi]
+            seen = (ps.repeat_interleave(w, 0) if w > 1 else ps) | (counts > 0)
+        if flags.bans and self.ban is not None:
+            active = (self.n_out[rpi].view(-1, 1) + self._ar[:w].view(1, -1)) < self.min_new[rpi].view(-1, 1)
+            b = self.ban[rpi]
+            ban = ((b.repeat_interleave(w, 0) if w > 1 else b) & active.view(-1, 1))
+        return counts, seen, ban
+
+    def commit(self, rpi: torch.Tensor, tokens: torch.Tensor, n_emit: torch.Tensor, flags: RowFlags,
+               kv: bool = True) -> None:
+        """Advance the rows after an iteration: tokens [bs, W] (the first n_emit[b] valid). A decode or
+        verify iteration wrote KV for n_emit positions (`kv`); a prefill's first token wrote none."""
+        bs, w = tokens.shape
+        last = tokens.gather(1, (n_emit - 1).view(-1, 1)).view(-1)
+        self.last_tok[rpi] = last
+        self.n_out[rpi] += n_emit
+        if kv:
+            self.kv_len[rpi] += n_emit
+        if flags.penalties and self.counts is not None:
+            valid = (self._ar[:w].view(1, -1) < n_emit.view(-1, 1)).to(torch.int32)
+            self.counts.index_put_((rpi.view(-1, 1).expand(bs, w).reshape(-1), tokens.reshape(-1)),
+                                   valid.reshape(-1), accumulate=True)

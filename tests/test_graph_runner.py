@@ -1,0 +1,178 @@
+"""The graph path's bookkeeping on the CPU: metadata parity, padding, binding refusal, exactness.
+
+The graph runners run emulated here (`graph_emulate`): the same fixed buffers, bucket padding, row
+metadata and binding checks as on CUDA, with an eager forward in place of the replay. So these tests
+prove everything about the graph path except the CUDA graph itself (the GPU tests replay real graphs):
+capture-time and replay-time row metadata agree for every bucket, mode and layout, and a draft-extend
+replay that fills `[bs]` logprob rows where the forward makes bs·W is caught; padded rows write only the
+pad slot and no padding survives into a later, smaller batch; a graph runner refuses a batch bound to
+another runner; greedy speculative output through the graph path equals eager target-only output,
+and a seeded sampled request is the same alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mleagle.engine.attention.base import BindingError
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.executor import graph_runner as gr
+from mleagle.engine.executor.forward_batch import ForwardMode, row_meta
+from mleagle.engine.executor.graph_runner import GraphRunner, MetaMismatch
+from tests.spec_helpers import all_free, greedy, run, tiny_cfg, tiny_engine
+
+PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8]]
+
+
+def _engine(draft: str = "random:3", **over) -> Engine:
+    return tiny_engine(draft, cfg=tiny_cfg(), graph_emulate=True, max_running_requests=12, **over)
+
+
+def _live_batch(e: Engine, runner_idx: int, bs: int):
+    """A real DECODE/VERIFY/DRAFT_EXTEND view for bs running requests, built as the worker builds it."""
+    w = e.worker
+    reqs = [r for r in e.scheduler.running if not r.prefilling][:bs]
+    for r in reqs:
+        assert e.mem.ensure(r, r.kv_len + e.runners[runner_idx].graphs.width)
+    rpi = w.rpi_of(reqs)
+    g = e.runners[runner_idx].graphs
+    width = g.width
+    ids = torch.zeros(bs, width, dtype=torch.int64)
+    rows = torch.arange(bs * width) if not g.pruned else torch.arange(bs) * width
+    v = w.view(g.mode if g.mode is not ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY, reqs, rpi, ids,
+               width, rows)
+    if g.mode is ForwardMode.DRAFT_EXTEND:
+        v = dataclasses.replace(v, mode=ForwardMode.DRAFT_EXTEND, pruned=g.pruned,
+                                hidden_in=torch.zeros(bs * width, e.arch.hidden_size))
+    return e.runners[runner_idx].bind(v), reqs
+
+
+def _admit(e: Engine, n: int) -> None:
+    for i in range(n):
+        e.add_request(f"q{i}", PROMPTS[i % len(PROMPTS)] + [i], greedy(64))
+    while any(r.prefilling for r in e.scheduler.running) or e.scheduler.waiting:
+        e.step()
+
+
+@pytest.mark.parametrize("layout,tp", [("all_reduce", 1), ("scattered", 1), ("all_reduce", 2), ("scattered", 2),
+                                       ("scattered", 4)])
+def test_capture_and_replay_metadata_agree(layout: str, tp: int) -> None:
+    """Every bucket of every mode: the live batch after padding reproduces the captured metadata."""
+    e = _engine()
+    _admit(e, 9)
+    for ri, r in enumerate(e.runners):
+        for pruned in (True, False) if r.graphs.mode is ForwardMode.DRAFT_EXTEND else (False,):
+            g = GraphRunner(r, mode=r.graphs.mode, width=r.graphs.width, buckets=[1, 2, 4, 8, 12],
+                            hidden_size=e.arch.hidden_size, dtype=e.dtype, pruned=pruned, emulate=True,
+                            tp_size=tp, layout=layout)  # type: ignore[arg-type]
+            g.capture()
+            for pbs, cap in g.caps.items():
+                want = row_meta(g.mode, pbs, g.width, pruned=pruned, tp_size=tp, layout=layout)  # type: ignore[arg-type]
+                assert cap.meta == want and cap.meta.agree
+                if g.mode is ForwardMode.DRAFT_EXTEND and not pruned:
+                    assert cap.meta.global_num_tokens_for_logprob[0] * (tp if layout == "scattered" else 1) >= pbs * g.width
+            r.graphs, saved = g, r.graphs
+            try:
+                for bs in range(1, 10):
+                    batch, _ = _live_batch(e, ri, bs)
+                    out = r.forward(batch)
+                    assert out.graph_bs == g.bucket(bs)
+                    assert out.logits.shape[0] == row_meta(g.mode, bs, g.width, pruned=pruned).logit_rows
+            finally:
+                r.graphs = saved
+
+
+def test_fault_injected_logprob_bs_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seeds' bug: draft-extend replay filling [bs] logprob rows where the forward makes bs·W."""
+    e = _engine()
+    _admit(e, 3)
+    d0 = e.runners[1]
+    g = GraphRunner(d0, mode=ForwardMode.DRAFT_EXTEND, width=d0.graphs.width, buckets=[4], hidden_size=e.arch.hidden_size,
+                    dtype=e.dtype, pruned=False, emulate=True)
+    g.capture()
+    d0.graphs = g
+    batch, _ = _live_batch(e, 1, 3)
+    d0.forward(batch)  # healthy
+    monkeypatch.setattr(gr, "FAULT_DRAFT_LOGPROB_BS", True)
+    with pytest.raises(MetaMismatch):
+        d0.forward(batch)
+
+
+def test_padded_rows_touch_only_the_pad_slot() -> None:
+    """A big batch, then a small one in a bigger bucket: only live rows' slots and the pad slot change,
+    and the buffers' padded tails hold the pad template again (no leak from the larger batch)."""
+    e = _engine("none")
+    _admit(e, 9)
+    target = e.runners[0]
+    g = target.graphs
+    big, _ = _live_batch(e, 0, 9)
+    target.forward(big)
+    small, reqs = _live_batch(e, 0, 3)  # bucket 4: one padded row
+    pool = target.binding.kv_pool
+    live = set(small.out_cache_loc.tolist())
+    for t in pool.k + pool.v:
+        t[[0, *live]] = 7.0  # poison the pad slot and the live slots: the forward must overwrite them
+    before = [t.clone() for t in pool.k + pool.v]
+    out = target.forward(small)
+    assert out.graph_bs == 4
+    changed = set()
+    for b, a in zip(before, pool.k + pool.v):
+        changed |= set(torch.nonzero((b != a).flatten(1).any(1)).flatten().tolist())
+    assert changed <= live | {0} and 0 in changed  # the padded row wrote the pad slot, nothing else
+    assert live <= changed
+    w = g.width
+    # the bucket's padded tail (row 3 of 4) was rewritten from the template; rows past the bucket are not
+    # read by this bucket's graph
+    for k in ("req_pool_indices", "seq_lens"):
+        assert torch.equal(g.buf[k][3:4], g.pad[k][3:4])
+    for k in ("out_cache_loc", "positions", "input_ids"):
+        assert torch.equal(g.buf[k][3 * w : 4 * w], g.pad[k][3 * w : 4 * w])
+    assert int(g.buf["req_pool_indices"][3]) == target.binding.req_to_token.pad_row
+    assert not target.binding.req_to_token.req_to_token[g.pad_row].any()
+    del reqs
+
+
+def test_graph_runner_refuses_a_foreign_binding() -> None:
+    e = _engine()
+    _admit(e, 2)
+    batch, _ = _live_batch(e, 1, 2)  # bound to draft0
+    with pytest.raises(BindingError):
+        e.runners[2].graphs.run(batch)  # draft1's graph runner
+    with pytest.raises(BindingError):
+        e.runners[2].forward(batch)
+    with pytest.raises(BindingError):
+        e.runners[0].graphs.run(batch)
+
+
+@pytest.mark.parametrize("draft", ["random:1", "random:3", "random:2:5:nochain"])
+def test_graph_path_speculation_equals_eager_target_only(draft: str) -> None:
+    cfg = tiny_cfg()
+    ref = tiny_engine("none", cfg=cfg)
+    sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17)]
+    want = run(ref, PROMPTS, sps)
+    e = tiny_engine(draft, cfg=cfg, graph_emulate=True)
+    assert run(e, PROMPTS, sps) == want
+    assert sum(sum(r.graphs.stats.replays.values()) for r in e.runners) > 0
+    assert all_free(e)
+    g = tiny_engine("none", cfg=cfg, graph_emulate=True)
+    assert run(g, PROMPTS, sps) == want
+
+
+def test_seeded_sampling_is_batch_invariant_through_graphs() -> None:
+    e = _engine("random:2")
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_new_tokens=20)
+    alone = run(e, [PROMPTS[0]], [sp])[0]
+    batch = run(e, [PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+                [SamplingParams(temperature=1.0, seed=3, max_new_tokens=12), sp, greedy(7)])
+    assert batch[1] == alone
+    assert all_free(e)
+
+
+def test_buckets_cover_max_running() -> None:
+    assert gr.default_buckets(64)[-1] == 64 and gr.default_buckets(5) == [1, 2, 4, 5]
+    e = Engine(tiny_cfg(), graph_emulate=True, max_running_requests=20)
+    assert e.runners[0].graphs.buckets[-1] == 20 and "emulated" in e.graph_report
