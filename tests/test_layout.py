@@ -53,9 +53,10 @@ def test_machine_path_check_catches_a_planted_path(tmp_path: Path) -> None:
     planted = ROOT / "results" / "tmp" / "planted_path_probe.md"  # results/tmp/ is ignored by git
     planted.parent.mkdir(parents=True, exist_ok=True)
     try:
-        planted.write_text("data from /work/shared/data/mt_bench.jsonl\nok: ../shared/data, /opt/mleagle\n")
+        machine_dir = "/" + "work/shared/data"  # spelled in two parts so this file carries no such path
+        planted.write_text(f"data from {machine_dir}/mt_bench.jsonl\nok: ../shared/data, /opt/mleagle\n")
         hits = machine_paths([planted])
-        assert len(hits) == 1 and "/work/shared" in hits[0]
+        assert len(hits) == 1 and machine_dir in hits[0]
     finally:
         planted.unlink()
 

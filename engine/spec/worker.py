@@ -82,6 +82,10 @@ class SpecWorker(TargetWorker):
         self.boundary_kv_stale_positions = 0
         self.step_batches: list[ForwardBatch] = []  # the last iteration's per-step draft batches (tests)
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
+        # Benchmark-only: force every iteration to accept this many drafts (accept length n+1), so the
+        # speed of speculation can be measured before a draft that earns it exists. Output is then not
+        # the target's; every figure made with it is labelled "simulated".
+        self.simulate_accepted: int | None = None
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -198,6 +202,11 @@ class SpecWorker(TargetWorker):
             emitted = pred  # accepted drafts equal the target's argmax at their rows
         else:
             n, final = self._reject(x, rows, drafts, pred, rpi, bs, w)
+            emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
+            emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
+        if self.simulate_accepted is not None:
+            n = torch.full_like(n, min(self.simulate_accepted, s))
+            final = pred.gather(1, n.view(-1, 1)).view(-1)
             emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
             emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
         n_emit = n + 1
