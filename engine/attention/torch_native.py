@@ -23,7 +23,8 @@ class TorchNativeBackend(AttentionBackend):
         r2t = self.req_to_token.req_to_token
         seq = batch.seq_lens_cpu
         if batch.mode.uniform:
-            bs, w, lk = batch.bs, batch.width, max(seq)
+            # The host bound, not the host lengths: with a step in flight those lag the device's.
+            bs, w, lk = batch.bs, batch.width, max(batch.max_seq_len, max(seq))
             self.kv_idx = r2t[batch.req_pool_indices, :lk]  # [bs, Lk]
             # Flat slot list for index_select: a 2-D advanced index (kb[kv_idx]) takes aten::index's
             # generic path, 2-6x slower, and at batch 32 that gather was most of a decode step.

@@ -96,12 +96,14 @@ class Engine:
         self.dtype = DTYPES[e.dtype]
         self.device = torch.device(e.device)
         t0 = time.perf_counter()
-        loaded = load_model(cfg.model, self.dtype)
+        # Dummy weights are generated on the device; real ones load on the CPU (dequantised, cached).
+        loaded = load_model(cfg.model, self.dtype, self.device if cfg.model.load_format == "dummy" else "cpu")
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = Tokenizer.from_source(cfg.model)
         self.max_context_len = min(e.max_context_len or self.arch.max_position_embeddings,
                                    self.arch.max_position_embeddings)
-        model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN)
+        with torch.device(self.device):  # parameters allocated where they run (an 8B shape never sits on the host)
+            model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN)
         model.load_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
@@ -270,6 +272,8 @@ class Engine:
                 self.abort(r)
             while any(r in self.scheduler.reqs for r in left):
                 self.step()
+            if not self.scheduler.running and self.scheduler.inflight is not None:
+                self.step()  # the step launched past the last finish: its results are dropped
 
     def generate(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False) -> list[Completion]:
