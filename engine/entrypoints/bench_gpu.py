@@ -26,10 +26,6 @@ from typing import Any
 from mleagle.engine.contract.config import data_dir
 from mleagle.engine.entrypoints.bench import DATASETS, read_first_turns
 
-LLAMA3_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
-             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mleagle bench gpu", description=__doc__.split("\n\n")[0])
@@ -45,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force accept length L (L-1 drafts accepted per iteration): 'simulated' figures")
     p.add_argument("--hf-static-batch-sizes", default="1", help="batch sizes for HF static cache (it compiles)")
     p.add_argument("--profile", action="store_true", help="kernels per token and GPU busy at batch 1")
-    p.add_argument("--big", action="store_true", help="Llama-3-8B-shape dummy model vs the HBM floor")
+    p.add_argument("--big", action="store_true", help="the llama3-8b-dummy config's decode step vs the HBM floor")
     p.add_argument("--big-batch-sizes", default="1,32")
     p.add_argument("--out", default="results/bench_gpu.json")
     return p
@@ -211,7 +207,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     res["dtype"] = base.cfg.engine.dtype
     res["graph_report"] = base.graph_report
     res["attention_backend"] = base.target.binding.backend.name
-    prompts = [base.encode_prompt(t, chat=True) for t in texts[: max(bss)]]
+    if base.tokenizer is not None:
+        prompts = [base.encode_prompt(t, chat=True) for t in texts[: max(bss)]]
+    else:  # a dummy-weight shape without a tokenizer: random ids, about as long as the chat prompts would be
+        import random
+
+        rnd = random.Random(0)
+        v = base.arch.vocab_size
+        prompts = [[rnd.randrange(v) for _ in range(len(t) // 4 + 30)] for t in texts[: max(bss)]]
+        res["prompts"] = "random token ids (no tokenizer), len(text)//4 + 30 each"
     plen = max(len(p) for p in prompts)
     ref_tokens: dict[int, list[list[int]]] = {}
 
@@ -291,20 +295,16 @@ def run_big(a: argparse.Namespace) -> dict[str, Any]:
     """A Llama-3-8B-shaped dummy model: decode step time with graphs against the HBM floor."""
     import torch
 
-    from mleagle.engine.contract.config import EngineConfig, MleagleConfig, ModelArch, ModelSource
     from mleagle.engine.core.engine import Engine
 
     bw = copy_bandwidth()
     bss = [int(x) for x in a.big_batch_sizes.split(",")]
-    cfg = MleagleConfig(model=ModelSource(name="llama3-8b-shape", load_format="dummy", arch=ModelArch(**LLAMA3_8B)),
-                        engine=EngineConfig(max_context_len=2048, max_running_requests=max(bss),
-                                            max_total_tokens=max(bss) * 1200 + 1024))
     t0 = time.perf_counter()
-    e = Engine(cfg)
+    e = Engine("llama3-8b-dummy", max_running_requests=max(bss), max_total_tokens=max(bss) * 1200 + 1024)
     load_s = time.perf_counter() - t0
     wbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in e.model.parameters()}.values())
     floor_s = wbytes / bw
-    out: dict[str, Any] = {"arch": LLAMA3_8B, "weight_bytes": wbytes, "copy_bw_bytes_s": round(bw), "load_s": round(load_s, 2),
+    out: dict[str, Any] = {"arch": e.arch.model_dump(), "weight_bytes": wbytes, "copy_bw_bytes_s": round(bw), "load_s": round(load_s, 2),
                            "hbm_floor_ms_per_step": round(1000 * floor_s, 3), "graph_report": e.graph_report, "rows": []}
     g = torch.Generator().manual_seed(0)
     n = 128
