@@ -111,6 +111,10 @@ class EngineConfig(BaseModel):
     boundary_kv: Literal["stale", "recompute"] = "stale"
     threads: int | None = Field(None, ge=1)
     seed: int = 0  # seeds requests that bring none, reproducibly per engine run
+    # "auto": Triton on CUDA, the torch reference on the CPU; "flashinfer" needs the flashinfer package.
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
+    # False runs the torch reference of the fused layers (add-RMSNorm, SiLU-and-mul) on CUDA too (debugging).
+    fused_layers: bool = True
 
 
 class ServerConfig(BaseModel):

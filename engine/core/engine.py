@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mleagle.engine.attention.torch_native import TorchNativeBackend
+from mleagle.engine.attention import create_backend, resolve_backend
 from mleagle.engine.contract.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
 from mleagle.engine.contract.detokenizer import StopChecker
 from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
@@ -28,6 +28,7 @@ from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
+from mleagle.engine.kernels import set_fused_layers
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
@@ -70,7 +71,10 @@ def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: 
     pool = KVPool(name, num_layers, num_slots, arch.num_key_value_heads, arch.head_dim, dtype, ecfg.device,
                   ecfg.page_size)
     r2t = ReqToTokenPool(name, max_reqs, max_context, ecfg.device)
-    return ModelRunner(name, model, pool, r2t, TorchNativeBackend(pool, r2t))
+    # Query heads per KV head times the pool's KV heads: this rank's query heads under any sharding.
+    hq = arch.num_attention_heads // arch.num_key_value_heads * pool.k[0].shape[1]
+    backend = create_backend(ecfg.attention_backend, pool, r2t, hq)
+    return ModelRunner(name, model, pool, r2t, backend)
 
 
 class Engine:
@@ -85,6 +89,15 @@ class Engine:
             raise EngineInputError("device 'cuda' requested but CUDA is not available")
         if e.threads:
             torch.set_num_threads(e.threads)
+        try:
+            self.attention_backend = resolve_backend(e.attention_backend, e.device)
+            if self.attention_backend == "flashinfer":
+                from mleagle.engine.attention.flashinfer_backend import import_flashinfer
+
+                import_flashinfer()
+        except (ValueError, RuntimeError) as err:
+            raise EngineInputError(str(err)) from err
+        set_fused_layers(e.fused_layers)
         self.dtype = DTYPES[e.dtype]
         self.device = torch.device(e.device)
         t0 = time.perf_counter()
