@@ -182,6 +182,12 @@ def case_decode(dtype: torch.dtype, device: torch.device, backend: str = "triton
                          splits=splits)
 
 
+def case_decode_d128(dtype: torch.dtype, device: torch.device, backend: str = "triton", splits: int = 4) -> float:
+    """DECODE at the 8B head shape (head 128, GQA 4: FlashInfer's tensor-core decode), split keys."""
+    return run_attention(backend, "DECODE", [1, 3, 2], [200, 5, 60], [1, 1, 1], dtype=dtype, device=device,
+                         splits=splits, shape=Shape(hq=8, hk=2, d=128))
+
+
 def case_verify(dtype: torch.dtype, device: torch.device, backend: str = "triton", splits: int = 1) -> float:
     """TARGET_VERIFY, W=4: causal inside each request's window, prefixes 0..150."""
     return run_attention(backend, "TARGET_VERIFY", [5, 3, 6], [0, 20, 150], [4, 4, 4], dtype=dtype, device=device,
@@ -248,12 +254,31 @@ def case_fill_kv_indices(dtype: torch.dtype, device: torch.device) -> float:
     return float(bad)
 
 
+def case_engine_greedy(dtype: torch.dtype, device: torch.device) -> float:
+    """End to end: greedy Engine.generate on a small chaotic model, speculative with a random 2-layer
+    draft (each draft runner with its own pool and Triton backend) on the Triton backend, gives the
+    torch backend's target-only tokens (prefill, verify and draft-extend through the kernels); returns
+    the number of differing tokens."""
+    from spec_helpers import greedy, run, tiny_cfg, tiny_engine
+
+    prompts = [[1, 5, 9, 200, 17], list(range(10, 50))]
+    dt = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+
+    def toks(backend: str, draft: str = "none") -> list[int]:
+        e = tiny_engine(draft, cfg=tiny_cfg(layers=2), device=device.type, dtype=dt, attention_backend=backend)
+        return [t for ts in run(e, prompts, greedy(8)) for t in ts]
+
+    ref, got = toks("torch"), toks("triton", "random:2")
+    return float(sum(a != b for a, b in zip(ref, got)) + abs(len(ref) - len(got)))
+
+
 CASES: dict[str, Callable[..., float]] = {
     "rope_store": case_rope_store,
     "extend": case_extend,
     "extend_d128": case_extend_d128,
     "decode": case_decode,
     "decode_split4": lambda dt, dev: case_decode(dt, dev, splits=4),
+    "decode_d128": case_decode_d128,
     "verify": case_verify,
     "verify_split3": lambda dt, dev: case_verify(dt, dev, splits=3),
     "draft_extend_mqa": case_draft_extend_mqa,
@@ -261,28 +286,13 @@ CASES: dict[str, Callable[..., float]] = {
     "add_rmsnorm": case_add_rmsnorm,
     "silu_and_mul": case_silu_and_mul,
     "fill_kv_indices": case_fill_kv_indices,
+    "engine_greedy": case_engine_greedy,
 }
-
-
-def _interpreter_shim() -> None:
-    """triton 3.6's interpreter turns a loaded scalar into an int with int(array of shape (1,)), which
-    numpy >= 2.4 refuses (loop bounds read from memory hit it); later triton squeezes first. Do the same
-    here, only in this interpreter process."""
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-
-    def patched(tensor: Any, scope: Any) -> None:
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def main(argv: list[str]) -> int:
     if "--interpret" in argv:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-        _interpreter_shim()
     names = [a for a in argv if not a.startswith("--")] or list(CASES)
     res = {}
     for n in names:

@@ -14,6 +14,8 @@ they read from device tensors at launch, so a replay sees the live values.
 from __future__ import annotations
 
 import importlib.util
+import os
+from typing import Any
 
 import torch
 
@@ -41,3 +43,25 @@ def fused_layers_on(x: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_compat_done = False
+
+
+def interpreter_compat() -> None:
+    """Under TRITON_INTERPRET=1 (the CPU tests): triton 3.6's interpreter turns a loaded scalar into an
+    int with int() of a shape-(1,) array, which numpy >= 2.4 refuses, so loop bounds read from memory
+    fail; later triton releases squeeze first. Do the same. Called by each kernel module at import."""
+    global _compat_done
+    if _compat_done or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+
+    def patched(tensor: Any, scope: Any) -> None:
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched
+    _compat_done = True

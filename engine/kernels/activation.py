@@ -10,6 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mleagle.engine.kernels import interpreter_compat
+
+interpreter_compat()
+
 
 @triton.jit
 def _silu_and_mul_kernel(x, s_x, out, s_o, N: tl.constexpr, BLOCK: tl.constexpr):

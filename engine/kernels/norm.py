@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mleagle.engine.kernels import next_pow2
+from mleagle.engine.kernels import interpreter_compat, next_pow2
+
+interpreter_compat()
 
 
 @triton.jit
