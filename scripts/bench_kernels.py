@@ -7,11 +7,12 @@ Rows, per shape and batch (and context for attention):
 - `add_rmsnorm` (fused residual add + RMSNorm) vs the reference (add, then the float32 norm);
 - `silu_and_mul` vs F.silu(g) * u;
 - `rope_store` (rotary for q and k + K/V store at the batch's slots) vs rope.rotate + index writes;
-- `attn decode` (W = 1) and `attn verify` (W = 4, causal window) through each backend's real
-  plan/forward path (timed: the attention call; plans are per forward and shared by all layers):
-  torch (gather + SDPA with a boolean mask), triton, triton without KV splits (to show what the
-  split-KV choice buys at small batch), flashinfer when importable; `floor` is the K/V bytes read over
-  4.2 TB/s (the H200's measured copy bandwidth).
+- `attn decode` (W = 1) and `attn verify` (W = 4, causal window): one layer's attention work through
+  each backend's real plan/forward path: rotary, the K/V store and attention (timed per layer; the
+  plan is per forward, shared by all layers, and not timed): torch (rotate, index writes, gather +
+  SDPA with a boolean mask), triton (one fused launch, + a merge when split), triton without KV splits
+  (what the split-KV choice buys at small batch), flashinfer when importable (rope_store + its paged
+  kernel); `floor` is the K/V bytes read over 4.2 TB/s (the H200's measured copy bandwidth).
 
 Times are medians of triton.testing.do_bench (eager launches, L2 flushed between calls) over inputs
 rotated through several copies (distinct KV layers, distinct activations), in microseconds; the
@@ -185,26 +186,25 @@ def bench_attention(s: dict[str, int], bs: int, ctx: int, width: int, dtype: tor
             for n in names}
     t = bs * width
     gen = torch.Generator(device="cpu").manual_seed(1)
-    qs = [torch.randn(t, hq, d, generator=gen).to(dtype).to(dev) for _ in range(nl)]
     rope = RotaryEmbedding(d, ctx + width + 8, float(s["theta"]), None, dtype).to(dev)
     qkv = [torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype).to(dev) for _ in range(nl)]
     kernel = "attn decode" if width == 1 else f"attn verify W={width}"
     rows = []
 
-    def attend(n: str) -> Callable[[], Any]:
+    def layer(n: str) -> Callable[[], Any]:  # one layer's attention work: rotary + K/V store + attention
         a = sets[n]
         rot = Rot(list(range(nl)))
-        return lambda: a.backend._attend(i := rot.next(), qs[i], a.batch)
+        return lambda: a.backend._forward(i := rot.next(), qkv[i], a.batch.positions, rope, a.batch)
 
     def store(n: str) -> Callable[[], Any]:
         a = sets[n]
         rot = Rot(list(range(nl)))
         return lambda: a.backend._rope_store(i := rot.next(), qkv[i], a.batch.positions, rope, a.batch)
 
-    extra = {"triton_nosplit": attend("triton-nosplit")}
+    extra = {"triton_nosplit": layer("triton-nosplit")}
     if flashinfer:
-        extra["flashinfer"] = attend("flashinfer")
-    r = _row(kernel, bs, ctx, attend("torch"), attend("triton"), dev, check, floor_bytes=kv_bytes, extra=extra)
+        extra["flashinfer"] = layer("flashinfer")
+    r = _row(kernel, bs, ctx, layer("torch"), layer("triton"), dev, check, floor_bytes=kv_bytes, extra=extra)
     r["kv_splits"] = sets["triton"].backend.num_splits
     rows.append(r)
     if with_store:  # once per batch size: the store does not depend on the context

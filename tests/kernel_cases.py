@@ -37,7 +37,7 @@ class Shape:
     hq: int = 6
     hk: int = 2
     d: int = 64
-    slots: int = 1024
+    slots: int = 2400  # 7 requests x 342 slots: every position of every request has its own slot
     max_reqs: int = 8
     max_ctx: int = 320
 
@@ -48,9 +48,9 @@ def _maps(shape: Shape, gen: torch.Generator, device: torch.device) -> torch.Ten
     r2t = torch.zeros(shape.max_reqs, shape.max_ctx, dtype=torch.int64)
     perm = torch.randperm(shape.slots - 1, generator=gen) + 1
     per = (shape.slots - 1) // (shape.max_reqs - 1)
+    assert per >= shape.max_ctx, "every position needs its own slot (a shared slot makes the cases ill-posed)"
     for r in range(1, shape.max_reqs):
-        n = min(per, shape.max_ctx)
-        r2t[r, :n] = perm[(r - 1) * per : (r - 1) * per + n]
+        r2t[r] = perm[(r - 1) * per : (r - 1) * per + shape.max_ctx]
     return r2t.to(device)
 
 

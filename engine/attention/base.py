@@ -65,8 +65,12 @@ class AttentionBackend(ABC):
         """qkv: [T, (Hq + 2·Hk)·D] → [T, Hq·D]. Writes rotated k and v into this backend's pool first."""
         if self._planned is not batch:
             raise BindingError(f"backend of {self.kv_pool.name}: forward on a batch it did not plan")
-        q = self._rope_store(layer, qkv, positions, rope, batch)
-        return self._attend(layer, q, batch)
+        return self._forward(layer, qkv, positions, rope, batch)
+
+    def _forward(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                 batch: ForwardBatch) -> torch.Tensor:
+        """Rotary + store, then attention; a backend may fuse the two (Triton does for uniform batches)."""
+        return self._attend(layer, self._rope_store(layer, qkv, positions, rope, batch), batch)
 
     def q_heads(self, qkv: torch.Tensor) -> int:
         hq = qkv.shape[1] // self.head_dim - 2 * self.num_kv_heads

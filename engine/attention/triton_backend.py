@@ -1,12 +1,13 @@
 """The Triton attention backend: the GPU default, graph-capturable.
 
-Per layer two launches: `rope_store` (rotary for q and k, k and v written into this backend's pool)
-and one paged attention kernel (`decode_attention` for uniform batches, plus a merge launch when the
-batch is small enough to split the keys; `extend_attention` for EXTEND). The kernels read the slot
-map, the request rows and the lengths from the batch's own device tensors, so a uniform batch needs
-no device metadata at all: `plan` only records host-side shapes (batch size, width, KV splits), which
-is why it is safe before a capture and before every replay, and why `init_graph` has nothing to
-allocate. EXTEND batches (eager only) copy their query offsets and lengths from the host lists.
+Uniform batches (DECODE, TARGET_VERIFY, DRAFT_EXTEND) take one launch per layer: `decode_attention`
+rotates q and k, stores k and v into this backend's pool and attends (plus a merge launch when the
+batch is small enough to split the keys). EXTEND takes two: `rope_store`, then `extend_attention`.
+The kernels read the slot map, the request rows and the lengths from the batch's own device
+tensors, so a uniform batch needs no device metadata at all: `plan` only records host-side shapes
+(batch size, width, KV splits), which is why it is safe before a capture and before every replay,
+and why `init_graph` has nothing to allocate. EXTEND batches (eager only) copy their query offsets
+and lengths from the host lists.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class TritonBackend(AttentionBackend):
             meta = torch.tensor([starts, batch.extend_lens], dtype=torch.int32).to(self.device, non_blocking=True)
             self._ext = (meta[0], meta[1], max(batch.extend_lens, default=0))
 
+    def _forward(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                 batch: ForwardBatch) -> torch.Tensor:
+        if self._ext is not None:
+            return super()._forward(layer, qkv, positions, rope, batch)
+        o = decode_attention(qkv, positions, rope.cos, rope.sin, batch.out_cache_loc, self.kv_pool.k[layer],
+                             self.kv_pool.v[layer], self.req_to_token.req_to_token, batch.req_pool_indices,
+                             batch.seq_lens, self.q_heads(qkv), batch.width, self.num_splits, self.scale)
+        self.kv_pool.num_writes += 1
+        return o.view(qkv.shape[0], -1)
+
     def _rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                     batch: ForwardBatch) -> torch.Tensor:
         q = rope_store(qkv, positions, rope.cos, rope.sin, batch.out_cache_loc, self.kv_pool.k[layer],
@@ -67,13 +78,9 @@ class TritonBackend(AttentionBackend):
         return q
 
     def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        k, v = self.kv_pool.k[layer], self.kv_pool.v[layer]
-        r2t = self.req_to_token.req_to_token
         if self._ext is None:
-            o = decode_attention(q, k, v, r2t, batch.req_pool_indices, batch.seq_lens, batch.width, self.num_splits,
-                                 self.scale)
-        else:
-            qo_start, ext_lens, max_ext = self._ext
-            o = extend_attention(q, k, v, r2t, batch.req_pool_indices, batch.seq_lens, qo_start, ext_lens, max_ext,
-                                 self.scale)
+            raise RuntimeError("uniform batches attend in decode_attention (rotary and store included)")
+        qo_start, ext_lens, max_ext = self._ext
+        o = extend_attention(q, self.kv_pool.k[layer], self.kv_pool.v[layer], self.req_to_token.req_to_token,
+                             batch.req_pool_indices, batch.seq_lens, qo_start, ext_lens, max_ext, self.scale)
         return o.view(q.shape[0], -1)

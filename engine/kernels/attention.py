@@ -6,18 +6,23 @@ the key's slot read through `req_to_token[req_pool_indices[b], j]`. The kernels 
 request rows and the lengths straight from the batch's device tensors, so a CUDA graph captured once
 replays correctly with new values in the same buffers, and no host-built metadata is needed.
 
-- `rope_store`: one program per token rotates q and k (rotate-half, cos/sin gathered by position),
-  writes k and v into the pool at the token's slot and q into a fresh [T, Hq, D] tensor. Pad rows of a
-  graph batch carry slot 0 (the reserved pad slot), so they never touch a real slot.
-- `decode_attention` (DECODE, TARGET_VERIFY, DRAFT_EXTEND: W rows per request): one program per
-  (request, KV head, KV split) holds the W·G query rows that share that KV head (G = Hq/Hk) as one
-  [W·G, D] tile, so K and V are read once per KV head rather than once per query head, and the
-  tile is at least 16 rows, which is what tensor-core `tl.dot` needs. Causality inside the window is
-  the same position rule. Split-KV: with few programs (batch 1 of a 3-KV-head model is 3 programs on
-  a 132-SM GPU) the key range is cut into `num_splits` chunks, each program writes a partial output
-  and its log-sum-exp, and `_merge_kernel` combines them. The split count is a host function of the
-  padded batch size only (`num_kv_splits`), so a captured graph's grid stays valid at any length;
-  the chunk size is computed on the device from the live length, and chunks past the end are empty.
+- `rope_store` (EXTEND, and the FlashInfer backend): one program per token rotates q and k
+  (rotate-half, cos/sin gathered by position), writes k and v into the pool at the token's slot and q
+  into a fresh [T, Hq, D] tensor. Pad rows of a graph batch carry slot 0 (the reserved pad slot), so
+  they never touch a real slot (the same holds in `decode_attention`).
+- `decode_attention` (DECODE, TARGET_VERIFY, DRAFT_EXTEND: W rows per request): rotary, the K/V
+  store and attention in one launch. One program per (request, KV head, KV split) holds the W·G
+  query rows that share that KV head (G = Hq/Hk) as one [W·G, D] tile, so K and V are read once per
+  KV head rather than once per query head, and the tile is at least 16 rows, which is what
+  tensor-core `tl.dot` needs. The cached keys (positions < seq_len - W) come from the pool; the W
+  keys of the window itself are rotated from the projection in registers, stored by the one program
+  that owns them (the last split of each request and KV head) and attended causally from there, so
+  no program ever reads a slot written in the same launch. Split-KV: with few programs (batch 1 of
+  a 3-KV-head model is 3 programs on a 132-SM GPU) the cached keys are cut into `num_splits` chunks,
+  each program writes a partial output and its log-sum-exp, and `_merge_kernel` combines them. The
+  split count is a host function of the padded batch size only (`num_kv_splits`), so a captured
+  graph's grid stays valid at any length; the chunk size is computed on the device from the live
+  length, and chunks past the end are empty.
 - `extend_attention` (EXTEND: ragged prompt chunks with a cached prefix): one program per
   (request, query head, block of query rows), flash-attention over keys 0..last position of the
   block; its query offsets come from host lists (EXTEND is never captured).
@@ -107,59 +112,106 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 
 
 @triton.jit
-def _attend_tile(qv, kn, qpos, end, slots, k_cache, v_cache, kv_off_k, kv_off_v, s_kn, s_vn, d, dm,
-                 m_i, l_i, acc, sm_scale, DOT_PREC: tl.constexpr):
-    """One block of keys for a tile of query rows: online softmax in base 2."""
-    km = kn < end
-    kt = tl.load(k_cache + slots[None, :] * s_kn + kv_off_k + d[:, None], mask=km[None, :] & dm[:, None], other=0.0)
-    s = tl.dot(qv, kt, input_precision=DOT_PREC) * sm_scale
-    s = tl.where(km[None, :] & (kn[None, :] <= qpos[:, None]), s, float("-inf"))
+def _rot_half(base, s_cs, cos, sin, p, i, im, rows_m, HALF: tl.constexpr):
+    """Rotary of [rows, D] values at `base` (halves at +0 and +HALF) for positions p: (first, second) half."""
+    c = tl.load(cos + p[:, None] * s_cs + i[None, :], mask=rows_m[:, None] & im[None, :], other=0.0).to(tl.float32)
+    s = tl.load(sin + p[:, None] * s_cs + i[None, :], mask=rows_m[:, None] & im[None, :], other=0.0).to(tl.float32)
+    m = rows_m[:, None] & im[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _softmax_step(s, vt, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """Fold one block of scores s [M, N] (base 2, -inf where masked) and values vt [N, D] into (m, l, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key yet keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    vt = tl.load(v_cache + slots[:, None] * s_vn + kv_off_v + d[None, :], mask=km[:, None] & dm[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
-    q, s_qt, s_qh, k_cache, v_cache, s_kn, s_kh, s_vn, s_vh,
+    qkv, s_qkv, pos, cos, sin, s_cs, loc,
+    k_cache, v_cache, s_kn, s_kh, s_vn, s_vh,
     r2t, s_r2t, rpi, seq_lens,
     out, s_ot, s_oh, part_o, part_lse, sm_scale,
-    W: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    W: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
+    HALF: tl.constexpr = D // 2
+    dt = qkv.dtype.element_ty
     seq = tl.load(seq_lens + b).to(tl.int32)
     req = tl.load(rpi + b)
+    i = tl.arange(0, BLOCK_HALF)
+    im = i < HALF
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    # The W·G query rows that share KV head kh: row m is window row m // G of query head kh·G + m % G.
     m = tl.arange(0, BLOCK_M)
     w = m // G
     head = kh * G + m % G
     mv = m < W * G
     qrow = b * W + w
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    qv = tl.load(q + qrow[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=mv[:, None] & dm[None, :], other=0.0)
-    qpos = seq - W + w
-    chunk = tl.cdiv(tl.cdiv(seq, SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(seq, start + chunk)
+    q1, q2 = _rot_half(qkv + qrow[:, None] * s_qkv + head[:, None] * D + i[None, :], s_cs, cos, sin,
+                       tl.load(pos + qrow, mask=mv, other=0), i, im, mv, HALF)
+    q1 = q1.to(dt)
+    q2 = q2.to(dt)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Cached keys 0 .. seq-W-1 (every row sees all of them), this split's chunk, read through the map.
+    npre = seq - W
+    chunk = tl.cdiv(tl.cdiv(npre, SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(npre, start + chunk)
     n = tl.arange(0, BLOCK_N)
     row = r2t + req * s_r2t
     for n0 in range(start, end, BLOCK_N):
         kn = n0 + n
-        slots = tl.load(row + kn, mask=kn < end, other=0)
-        m_i, l_i, acc = _attend_tile(qv, kn, qpos, end, slots, k_cache, v_cache, kh * s_kh, kh * s_vh, s_kn, s_vn,
-                                     d, dm, m_i, l_i, acc, sm_scale, DOT_PREC)
+        km = kn < end
+        slots = tl.load(row + kn, mask=km, other=0)
+        kb = k_cache + slots[None, :] * s_kn + kh * s_kh + i[:, None]
+        k1 = tl.load(kb, mask=km[None, :] & im[:, None], other=0.0)
+        k2 = tl.load(kb + HALF, mask=km[None, :] & im[:, None], other=0.0)
+        sc = tl.dot(q1, k1, input_precision=DOT_PREC) + tl.dot(q2, k2, input_precision=DOT_PREC)
+        sc = tl.where(km[None, :], sc * sm_scale, float("-inf"))
+        vt = tl.load(v_cache + slots[:, None] * s_vn + kh * s_vh + d[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_step(sc, vt, m_i, l_i, acc, DOT_PREC)
+
+    # The window's own W keys (positions seq-W ..): rotated from qkv in registers, stored into the pool by
+    # this one program per (request, KV head), and attended causally. No program reads these slots, so
+    # the store needs no ordering against the reads above.
+    if sp == SPLITS - 1:
+        j = tl.arange(0, BLOCK_W)
+        jm = j < W
+        krow = b * W + j
+        k1, k2 = _rot_half(qkv + krow[:, None] * s_qkv + (HQ + kh) * D + i[None, :], s_cs, cos, sin,
+                           tl.load(pos + krow, mask=jm, other=0), i, im, jm, HALF)
+        k1 = k1.to(dt)
+        k2 = k2.to(dt)
+        vt = tl.load(qkv + krow[:, None] * s_qkv + (HQ + HK + kh) * D + d[None, :], mask=jm[:, None] & dm[None, :],
+                     other=0.0)
+        slot = tl.load(loc + krow, mask=jm, other=0)
+        kd = k_cache + slot[:, None] * s_kn + kh * s_kh + i[None, :]
+        tl.store(kd, k1.to(k_cache.dtype.element_ty), mask=jm[:, None] & im[None, :])
+        tl.store(kd + HALF, k2.to(k_cache.dtype.element_ty), mask=jm[:, None] & im[None, :])
+        tl.store(v_cache + slot[:, None] * s_vn + kh * s_vh + d[None, :], vt.to(v_cache.dtype.element_ty),
+                 mask=jm[:, None] & dm[None, :])
+        sc = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) + tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
+        sc = tl.where(jm[None, :] & (j[None, :] <= w[:, None]), sc * sm_scale, float("-inf"))
+        m_i, l_i, acc = _softmax_step(sc, vt, m_i, l_i, acc, DOT_PREC)
+
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     om = mv[:, None] & dm[None, :]
@@ -182,7 +234,7 @@ def _merge_kernel(part_o, part_lse, out, s_ot, s_oh, HQ: tl.constexpr, D: tl.con
     dm = d < D
     base = (t * HQ + h) * SPLITS
     lse = tl.load(part_lse + base + s, mask=sm, other=float("-inf"))
-    # Split 0 always holds key 0, which every row sees: the max is finite.
+    # The last split holds the window, whose first key every row sees: the max is finite.
     wgt = tl.exp2(lse - tl.max(lse, 0))
     o = tl.load(part_o + (base + s)[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     res = tl.sum(wgt[:, None] * o, 0) / tl.sum(wgt, 0)
@@ -207,38 +259,55 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, width: int, num_splits: int,
+def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hq: int, width: int, num_splits: int,
                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [bs·W, Hq, D] (request-major, W rows each) → out [bs·W, Hq, D]."""
-    t, hq, d = q.shape
-    hk = k_cache.shape[1]
+    """Uniform batches (W rows per request, request-major): rotary, the K/V store at `loc` and attention
+    in one launch (plus the merge when split). qkv [bs·W, (hq+2hk)·D] → out [bs·W, hq, D]."""
+    t = qkv.shape[0]
+    hk, d = k_cache.shape[1], k_cache.shape[2]
     bs = req_pool_indices.shape[0]
     if t != bs * width:
         raise ValueError(f"{t} query rows for {bs} requests of width {width}")
+    if qkv.shape[1] != (hq + 2 * hk) * d or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, ({hq} + 2*{hk}) * {d}] with unit column stride")
     g = hq // hk
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     if t == 0:
         return out
-    block_m = max(16, next_pow2(width * g))
     block_d = next_pow2(d)
     block_n = 64 if block_d <= 128 else 32
     if num_splits > 1:
-        part_o = torch.empty(t, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(t, hq, num_splits, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(t, hq, num_splits, d, dtype=torch.float32, device=qkv.device)
+        part_lse = torch.empty(t, hq, num_splits, dtype=torch.float32, device=qkv.device)
     else:
         part_o = part_lse = out  # unused
     _decode_kernel[(bs, hk, num_splits)](
-        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
+        qkv, qkv.stride(0), positions, cos, sin, cos.stride(0), loc,
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         out, out.stride(0), out.stride(1), part_o, part_lse, scale * LOG2E,
-        W=width, G=g, HQ=hq, D=d, SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=4, num_stages=2,
+        W=width, G=g, HQ=hq, HK=hk, D=d, SPLITS=num_splits, BLOCK_M=max(16, next_pow2(width * g)), BLOCK_N=block_n,
+        BLOCK_W=max(16, next_pow2(width)), BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=block_d,
+        DOT_PREC=_dot_prec(qkv.dtype), num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _merge_kernel[(t, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, SPLITS=num_splits,
                                BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=1)
     return out
+
+
+@triton.jit
+def _attend_tile(qv, kn, qpos, end, slots, k_cache, v_cache, kv_off_k, kv_off_v, s_kn, s_vn, d, dm,
+                 m_i, l_i, acc, sm_scale, DOT_PREC: tl.constexpr):
+    """One block of pooled keys for a tile of query rows at positions qpos (causal)."""
+    km = kn < end
+    kt = tl.load(k_cache + slots[None, :] * s_kn + kv_off_k + d[:, None], mask=km[None, :] & dm[:, None], other=0.0)
+    s = tl.dot(qv, kt, input_precision=DOT_PREC) * sm_scale
+    s = tl.where(km[None, :] & (kn[None, :] <= qpos[:, None]), s, float("-inf"))
+    vt = tl.load(v_cache + slots[:, None] * s_vn + kv_off_v + d[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+    return _softmax_step(s, vt, m_i, l_i, acc, DOT_PREC)
 
 
 @triton.jit

@@ -4,8 +4,8 @@ RMSNorm, RoPE (plain or Llama-3 scaled), GQA attention through the bound backend
 QKV and gate/up projections (column-parallel) and row-parallel output projections; a vocab-parallel
 embedding and a tied or untied head. The decoder carries the residual stream beside the hidden state
 (vLLM style), so each residual add is fused into the RMSNorm after it; the attention backend takes the
-fused QKV output and does rotary, the KV store and attention itself. On CUDA a layer is then about
-ten launches: two add-RMSNorms, four GEMMs, rotary + KV store, attention, SiLU-and-mul.
+fused QKV output and does rotary, the KV store and attention itself. On CUDA a decode layer is then
+nine launches: two add-RMSNorms, four GEMMs, attention (with rotary and the store), SiLU-and-mul.
 `forward` returns the last layer's hidden states before the final norm (the residual stream after the
 last layer: what draft layers consume); `compute_logits` applies the final norm and the head to the
 rows the batch asks for. Weights load from HF-named tensors.
