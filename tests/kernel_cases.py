@@ -145,6 +145,66 @@ def run_attention(backend: str, mode: str, rows: list[int], prefix: list[int], e
     return err
 
 
+def graph_replay_err(backend: str, dtype: torch.dtype, device: torch.device, width: int = 1) -> float:
+    """CUDA only. Capture one layer's `backend.forward` in a CUDA graph on a padded batch whose tensors are
+    views of fixed buffers, then copy a later step (other lengths, other requests, new slots) into the
+    same buffers, `plan` it and replay: the output and the pool equal the torch backend's eager forward
+    of that step. Shows the backend reads its per-step values from the buffers at replay, not from
+    whatever it saw at capture."""
+    from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
+    from mleagle.engine.executor.runner import StepBinding
+    from mleagle.engine.layers.rope import RotaryEmbedding
+
+    shape = Shape(hq=9, hk=3, d=64)  # SmolLM2's attention
+    gen = torch.Generator().manual_seed(11)
+    (rpool, rmap, rbe), (pool, m, be) = _pair(backend, shape, dtype, device, gen)
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
+    bs = 4  # the graph bucket; steps below use 3 real requests + 1 pad row (request row 0, slot 0)
+    rope = RotaryEmbedding(shape.d, shape.max_ctx + 8, 10000.0, None, dtype).to(device)
+    t = bs * width
+    buf = {k: torch.zeros(t if k in ("positions", "out_cache_loc") else bs, dtype=torch.int64, device=device)
+           for k in ("positions", "out_cache_loc", "req_pool_indices", "seq_lens")}
+    qkv = torch.zeros(t, (shape.hq + 2 * shape.hk) * shape.d, dtype=dtype, device=device)
+
+    def step(rows: list[int], prefix: list[int]) -> tuple[ForwardBatch, torch.Tensor]:
+        _fill_prefix([(rpool, rmap, rbe), (pool, m, be)], rows, prefix, dtype, gen)
+        pad = bs - len(rows)
+        b = build_batch(mode, input_ids=torch.zeros(t, dtype=torch.int64), req_pool_indices=rows + [0] * pad,
+                        prefix_lens=prefix + [0] * pad, extend_lens=[width] * bs, req_to_token=m.req_to_token.cpu(),
+                        width=width, device=device)
+        for k, v in buf.items():
+            v.copy_(getattr(b, k))
+        x = torch.randn(t, qkv.shape[1], generator=gen).to(dtype).to(device)
+        qkv.copy_(x)
+        fixed = dataclasses.replace(b, binding=StepBinding(pool.name, pool, m, be), **buf)
+        real = len(rows) * width
+        ref = build_batch(mode, input_ids=torch.zeros(real, dtype=torch.int64), req_pool_indices=rows,
+                          prefix_lens=prefix, extend_lens=[width] * len(rows), req_to_token=rmap.req_to_token.cpu(),
+                          width=width, device=device)
+        ref = dataclasses.replace(ref, binding=StepBinding(rpool.name, rpool, rmap, rbe))
+        rbe.plan(ref)
+        return fixed, rbe.forward(0, x[:real], ref.positions, rope, ref)
+
+    be.init_graph(bs, width)
+    b1, _ = step([1, 2, 3], [5, 40, 7])
+    be.plan(b1)
+    be.forward(0, qkv, b1.positions, rope, b1)  # warm up (compiles), then capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        be.plan(b1)  # a capture through the runner's forward plans again: must record nothing
+        out = be.forward(0, qkv, b1.positions, rope, b1)
+    err = 0.0
+    for rows, prefix in (([4, 2, 6], [130, 41, 0]), ([5, 1, 3], [200, 9, 60])):
+        b, ref = step(rows, prefix)
+        be.plan(b)
+        g.replay()
+        torch.cuda.synchronize()
+        err = max(err, rel_err(out[: ref.shape[0]], ref))
+        err = max(err, rel_err(pool.k[0][1:], rpool.k[0][1:]), rel_err(pool.v[0][1:], rpool.v[0][1:]))
+    return err
+
+
 # --- the cases --------------------------------------------------------------------------------------------
 def case_rope_store(dtype: torch.dtype, device: torch.device) -> float:
     """rope_store alone: q as the reference rotates it; exactly the batch's slots written, with the

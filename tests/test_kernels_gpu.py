@@ -4,6 +4,9 @@ the H200).
 - every case of tests/kernel_cases.py through the Triton backend on CUDA, in bfloat16 and float32;
 - the attention cases through FlashInfer (bfloat16; skipped when flashinfer is not importable),
   including a padded graph-style batch after `init_graph` (the graph wrappers' plan path);
+- each graph-capable backend captured in a CUDA graph on fixed buffers and replayed on later steps
+  (new lengths, requests and slots copied into the buffers, `plan`, replay) equals the eager torch
+  backend on those steps, output and pool;
 - end to end, greedy `Engine.generate` on a small chaotic model: the Triton backend with fused layers
   equals the torch backend with reference layers token for token (float32), speculative greedy with a
   random 2-layer draft equals target-only greedy on the Triton backend, and FlashInfer (float16, which
@@ -20,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/*.py helpers (pytest runs with --import-mode=importlib)
-from kernel_cases import CASES, tol
+from kernel_cases import CASES, graph_replay_err, tol
 from spec_helpers import greedy, run, tiny_cfg, tiny_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -45,6 +48,13 @@ def test_triton_case_on_cuda(case: str, dtype: torch.dtype) -> None:
 def test_flashinfer_case(case: str) -> None:
     err = CASES[case](torch.bfloat16, CUDA, backend="flashinfer")
     assert err <= tol(torch.bfloat16), f"flashinfer {case}: max error {err:.3g}"
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flashinfer", marks=needs_fi)])
+def test_backend_replays_from_cuda_graph(backend: str, width: int) -> None:
+    err = graph_replay_err(backend, torch.bfloat16, CUDA, width)
+    assert err <= tol(torch.bfloat16), f"{backend} W={width}: replay differs from eager by {err:.3g}"
 
 
 def _tokens(backend: str, dtype: str, *, fused: bool = True, draft: str = "none", hidden: int = 64,
