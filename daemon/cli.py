@@ -34,6 +34,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "dtype": ("engine", "dtype"),
     "draft": ("engine", "draft"),
     "spec_steps": ("engine", "spec_steps"),
+    "attention_backend": ("engine", "attention_backend"),
     "max_total_tokens": ("engine", "max_total_tokens"),
     "kv_memory_mb": ("engine", "kv_memory_mb"),
     "max_running_requests": ("engine", "max_running_requests"),
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--draft", default=None, help="draft stack: PATH, random:S[:seed] or none")
     ap.add_argument("--spec-steps", type=int, default=None)
+    ap.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
+                    help="auto: triton on CUDA, torch on the CPU")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (per runner)")
     ap.add_argument("--kv-memory-mb", type=float, default=None)
     ap.add_argument("--max-running-requests", type=int, default=None)

@@ -146,10 +146,9 @@ def test_runners_and_backends_refuse_foreign_batches() -> None:
     be = d[1].binding.backend
     be.plan(views[1])
     h = e.arch.head_dim
-    q = torch.zeros(views[1].num_tokens, e.arch.num_attention_heads, h)
-    kv = torch.zeros(views[1].num_tokens, e.arch.num_key_value_heads, h)
+    qkv = torch.zeros(views[1].num_tokens, (e.arch.num_attention_heads + 2 * e.arch.num_key_value_heads) * h)
     with pytest.raises(BindingError):
-        be.forward(0, q, kv, kv, views[2])
+        be.forward(0, qkv, views[2].positions, e.model.rope, views[2])
 
 
 # --- the seed bug ------------------------------------------------------------------------------------

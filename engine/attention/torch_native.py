@@ -1,10 +1,13 @@
-"""The reference attention backend: paged KV gathered by the slot map, then torch SDPA.
+"""The reference attention backend: rotary by the reference ops, the KV store by index assignment,
+paged KV gathered by the slot map, then torch SDPA.
 
 EXTEND batches (ragged prompt chunks) attend request by request, so a request's prefill is computed
 the same way alone or in a batch. Uniform batches (DECODE, TARGET_VERIFY, DRAFT_EXTEND: W rows per
 request) run one batched SDPA over [bs, W] queries and keys padded to the longest sequence, with a
 boolean mask that admits key j for the query at position p iff j <= p. The metadata (gather indices
-and mask) is built once per forward and shared by every layer.
+and mask) is built once per forward and shared by every layer. This is the CPU path and the
+reference every GPU backend is tested against; it cannot be captured in a CUDA graph (its plan
+builds metadata sized by the longest sequence, and SDPA with a boolean mask re-plans per length).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 
 from mleagle.engine.attention.base import AttentionBackend
 from mleagle.engine.executor.forward_batch import ForwardBatch
+from mleagle.engine.layers.rope import RotaryEmbedding
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -43,6 +47,16 @@ class TorchNativeBackend(AttentionBackend):
                 mask = None if p == 0 else keys.view(1, -1) <= qpos.view(-1, 1)
                 self.spans.append((start, e, kv_idx, mask))
                 start += e
+
+    def _rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                    batch: ForwardBatch) -> torch.Tensor:
+        hk, d = self.num_kv_heads, self.head_dim
+        hq = self.q_heads(qkv)
+        t, nqk = qkv.shape[0], (hq + hk) * d
+        # q and k heads are adjacent in the fused output: rotate them in one pass (same math, half the ops)
+        qk = rope.rotate(positions, qkv[:, :nqk].view(t, hq + hk, d))
+        self.kv_pool.write(layer, batch.out_cache_loc, qk[:, hq:], qkv[:, nqk:].view(t, hk, d))
+        return qk[:, :hq]
 
     def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         kb, vb = self.kv_pool.k[layer], self.kv_pool.v[layer]

@@ -135,6 +135,10 @@ class EngineConfig(BaseModel):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if (device or self.resolved_device()) == "cuda" else "float32"
+    # "auto": Triton on CUDA, the torch reference on the CPU; "flashinfer" needs the flashinfer package.
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
+    # False runs the torch reference of the fused layers (add-RMSNorm, SiLU-and-mul) on CUDA too (debugging).
+    fused_layers: bool = True
 
 
 class ServerConfig(BaseModel):

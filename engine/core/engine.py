@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mleagle.engine.attention.torch_native import TorchNativeBackend
+from mleagle.engine.attention import create_backend, resolve_backend
 from mleagle.engine.contract.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
 from mleagle.engine.contract.detokenizer import StopChecker
 from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
@@ -32,6 +32,7 @@ from mleagle.engine.executor.forward_batch import ForwardMode
 from mleagle.engine.executor.graph_runner import GraphRunner, default_buckets
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
+from mleagle.engine.kernels import set_fused_layers
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
@@ -75,7 +76,10 @@ def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: 
     pool = KVPool(name, num_layers, num_slots, arch.num_key_value_heads, arch.head_dim, dtype, ecfg.device,
                   ecfg.page_size)
     r2t = ReqToTokenPool(name, max_reqs, max_context, ecfg.device)
-    return ModelRunner(name, model, pool, r2t, TorchNativeBackend(pool, r2t))
+    # Query heads per KV head times the pool's KV heads: this rank's query heads under any sharding.
+    hq = arch.num_attention_heads // arch.num_key_value_heads * pool.k[0].shape[1]
+    backend = create_backend(ecfg.attention_backend, pool, r2t, hq)
+    return ModelRunner(name, model, pool, r2t, backend)
 
 
 class Engine:
@@ -93,6 +97,15 @@ class Engine:
         self.cfg = cfg
         if e.threads:
             torch.set_num_threads(e.threads)
+        try:
+            self.attention_backend = resolve_backend(e.attention_backend, e.device)
+            if self.attention_backend == "flashinfer":
+                from mleagle.engine.attention.flashinfer_backend import import_flashinfer
+
+                import_flashinfer()
+        except (ValueError, RuntimeError) as err:
+            raise EngineInputError(str(err)) from err
+        set_fused_layers(e.fused_layers)
         self.dtype = DTYPES[e.dtype]
         self.device = torch.device(e.device)
         t0 = time.perf_counter()
@@ -124,7 +137,7 @@ class Engine:
         self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
-                                   stop_cut=self._stop_cut, overlap=e.overlap_schedule and self.device.type == "cuda")
+                                   stop_cut=self._stop_cut, overlap=self._overlap())
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
         self.events: Any = None  # an EventBus, installed by the engine process
@@ -138,6 +151,12 @@ class Engine:
 
             return build_spec_worker(self)
         return TargetWorker(self.target, self.device, frozenset(self.eos_ids), self.arch.vocab_size, self.max_reqs)
+
+    def _overlap(self) -> bool:
+        """Overlap scheduling on CUDA, unless a backend plans from exact host lengths (FlashInfer)."""
+        e = self.cfg.engine
+        return (e.overlap_schedule and self.device.type == "cuda"
+                and not any(r.binding.backend.needs_host_lens for r in self.runners))
 
     def _capture_graphs(self) -> str:
         """CUDA graphs for every runner's uniform forward (target decode or verify, each draft step),

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool tokens (default: fits the largest batch)")
     p.add_argument("--draft", default=None, help="PATH | random:S[:seed] | none")
     p.add_argument("--spec-steps", type=int, default=None)
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
+                   help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-load", action="store_true", help="skip the cold/warm load subprocesses")
     p.add_argument("--out", default="results/bench_cpu.json")
@@ -320,6 +322,7 @@ def run(a: argparse.Namespace) -> int:
         "machine": machine_info(threads), "model": cfg.model.name, "dtype": a.dtype, "device": a.device,
         "dataset": a.dataset, "batch_sizes": sizes, "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature, "repeats": a.repeats, "draft": a.draft, "spec_steps": a.spec_steps,
+        "attention_backend": a.attention_backend or "auto",
         "command": "mleagle bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     }
     if not a.skip_load:
@@ -340,7 +343,7 @@ def run(a: argparse.Namespace) -> int:
     need = sum(sorted((len(p) for p in prompts_all), reverse=True)[: max(sizes)]) + max(sizes) * (a.max_new_tokens + 16)
     over: dict[str, Any] = {"dtype": a.dtype, "device": a.device, "max_total_tokens": a.max_total_tokens or need + 64,
                             "max_running_requests": max(max(sizes), cfg.engine.max_running_requests)}
-    for k in ("draft", "spec_steps", "threads"):
+    for k in ("draft", "spec_steps", "threads", "attention_backend"):
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
     engine = Engine(cfg, **over)

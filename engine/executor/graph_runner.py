@@ -151,6 +151,9 @@ class GraphRunner:
         t0 = time.perf_counter()
         cuda = not self.emulate
         free0 = torch.cuda.mem_get_info()[0] if cuda else 0
+        backend = self.runner.binding.backend
+        if backend.supports_graphs:
+            backend.init_graph(self.buckets[-1], self.width)
         for pbs in sorted(self.buckets, reverse=True):
             sb = self.static_batch(None, pbs)
             meta = self.meta_of(sb)

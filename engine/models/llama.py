@@ -2,20 +2,24 @@
 
 RMSNorm, RoPE (plain or Llama-3 scaled), GQA attention through the bound backend, SwiGLU MLP; fused
 QKV and gate/up projections (column-parallel) and row-parallel output projections; a vocab-parallel
-embedding and a tied or untied head. `forward` returns the last layer's hidden states before the
-final norm (what draft layers consume); `compute_logits` applies the final norm and the head to the
+embedding and a tied or untied head. The decoder carries the residual stream beside the hidden state
+(vLLM style), so each residual add is fused into the RMSNorm after it; the attention backend takes the
+fused QKV output and does rotary, the KV store and attention itself. On CUDA a decode layer is then
+nine launches: two add-RMSNorms, four GEMMs, attention (with rotary and the store), SiLU-and-mul.
+`forward` returns the last layer's hidden states before the final norm (the residual stream after the
+last layer: what draft layers consume); `compute_logits` applies the final norm and the head to the
 rows the batch asks for. Weights load from HF-named tensors.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mleagle.engine.contract.config import ModelArch
 from mleagle.engine.distributed import shard
 from mleagle.engine.executor.forward_batch import ForwardBatch
+from mleagle.engine.layers.activation import SiluAndMul
 from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mleagle.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from mleagle.engine.layers.norm import RMSNorm
@@ -36,13 +40,9 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(a.num_attention_heads * hd, a.hidden_size, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        t, nqk = x.shape[0], (self.hq + self.hk) * self.d
-        # q and k heads are adjacent in the fused output: rotate them in one pass (same math, half the ops)
-        qk = self.rope.rotate(positions, qkv[:, :nqk].view(t, self.hq + self.hk, self.d))
-        q, k = qk[:, : self.hq], qk[:, self.hq :]
         assert batch.binding is not None
-        o = batch.binding.backend.forward(self.layer_id, q, k, qkv[:, nqk:].view(t, self.hk, self.d), batch)
+        # The bound backend rotates q and k, stores k and v in its own pool, and attends.
+        o = batch.binding.backend.forward(self.layer_id, self.qkv_proj(x), positions, self.rope, batch)
         return self.o_proj(o)
 
 
@@ -51,10 +51,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, dtype=dtype)
         self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, dtype=dtype)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(g) * u)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -65,9 +65,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = MLP(a, dtype)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) → (h', residual'): the layer's input stream is h + residual (h alone for the
+        first layer, residual None); its output stream is h' + residual'."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, x, batch)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
     def load(self, w: dict[str, torch.Tensor], p: str) -> None:
         self.input_layernorm.weight.data.copy_(w[f"{p}.input_layernorm.weight"])
@@ -98,10 +106,10 @@ class LlamaForCausalLM(nn.Module):
         return len(self.layers)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+        h, res = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            h = layer(batch.positions, h, batch)
-        return h
+            h, res = layer(batch.positions, h, res, batch)
+        return h + res
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))

@@ -43,7 +43,8 @@ class MTPLayer(nn.Module):
         if batch.hidden_in is None:
             raise ValueError("a draft layer needs input hidden states")
         x = self.eh_proj(torch.cat([self.enorm(embed(batch.input_ids)), self.hnorm(batch.hidden_in)], dim=-1))
-        return self.block(batch.positions, x, batch)
+        h, res = self.block(batch.positions, x, None, batch)
+        return h + res  # the block's output stream, before this layer's final norm
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._shared[1](self.norm(h))

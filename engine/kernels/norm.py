@@ -1,0 +1,58 @@
+"""Fused residual add + RMSNorm (vLLM style) in one Triton launch per call.
+
+`add_rmsnorm(x, residual, w, eps)` returns (norm(x + residual) * w, x + residual); with no residual it
+is a plain RMSNorm. The numerics follow the torch reference (engine/layers/norm.py) step by step: the
+sum is rounded to the activation dtype before it is normalised (that rounded sum is also the new
+residual stream), the normalised value is rounded before the weight multiplies it, and the mean of
+squares is taken in float32. One program per token row: a whole row (576 or 4096 values) fits in
+registers, so the row is read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mleagle.engine.kernels import interpreter_compat, next_pow2
+
+interpreter_compat()
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x, s_x, res, s_r, w, out, s_o, res_out, s_ro, eps, N: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    v = tl.load(x + t * s_x + i, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(res + t * s_r + i, mask=m, other=0.0)
+        v = (v.to(tl.float32) + r.to(tl.float32)).to(res_out.dtype.element_ty)
+        tl.store(res_out + t * s_ro + i, v, mask=m)
+    v = v.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, 0) / N + eps)
+    y = (v * rstd).to(out.dtype.element_ty).to(tl.float32)
+    wt = tl.load(w + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + t * s_o + i, (wt * y).to(out.dtype.element_ty), mask=m)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual: [T, N] → (normed [T, N], x + residual [T, N] or None without a residual)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    t, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if t == 0:
+        return out, res_out
+    r = residual if residual is not None else x
+    if r.stride(-1) != 1:
+        r = r.contiguous()
+    ro = res_out if res_out is not None else out
+    block = next_pow2(n)
+    _add_rmsnorm_kernel[(t,)](x, x.stride(0), r, r.stride(0), weight, out, out.stride(0), ro, ro.stride(0), eps,
+                              N=n, BLOCK=block, HAS_RES=residual is not None,
+                              num_warps=max(1, min(8, block // 256)))
+    return out, res_out
