@@ -76,7 +76,7 @@ def _pair(backend: str, shape: Shape, dtype: torch.dtype, device: torch.device, 
         pool.k[0].copy_(k0)
         pool.v[0].copy_(v0)
         m = ReqToTokenPool(f"{name}-map", shape.max_reqs, shape.max_ctx, device)
-        m.req_to_token.copy_(r2t)
+        m.req_to_token[: r2t.shape[0]].copy_(r2t)  # the map's last row is the pad row (zeros)
         be = create_backend(name, pool, m, shape.hq)
         out.append((pool, m, be))
     return out
