@@ -3,7 +3,8 @@
 A worker turns scheduled requests into forward batches, runs them on its runners and samples. The
 scheduler owns memory and request life; the worker owns forwards. The speculative worker
 (`mleagle.engine.spec.worker`) implements the same interface with draft runners beside the target.
-`lookahead` says how many KV positions one decode step writes per request beyond `kv_len`.
+`lookahead` says how many KV positions one decode step writes per request beyond `kv_len`. A request
+that hit the prefix cache starts with `kv_len` at its cached length, so prefill computes only the rest.
 """
 
 from __future__ import annotations
@@ -123,6 +124,11 @@ class TargetWorker:
             r.kv_len += 1
             res.append(StepResult([t], [lp] if lp is not None else None))
         return res
+
+    def kv_valid_len(self, req: Req) -> int:
+        """Leading positions of `req` whose KV is computed in every runner's pool: what the prefix
+        cache may keep when the request ends or is preempted. The target's pool is all there is here."""
+        return req.kv_len
 
     def release(self, req: Req) -> None:
         """Drop per-request worker state (the speculative worker keeps drafts here)."""

@@ -14,7 +14,9 @@ W = S+1 rows each:
    new draft written at that row before the next step.
 
 Prefill runs the target (possibly in chunks, stashing its hidden states), and when a request's
-prefill completes, each draft runner k runs over the whole sequence, filling its own pool.
+prefill completes, each draft runner k runs over the positions this prefill computed, filling its own
+pool: the whole sequence, or after a prefix-cache hit only the positions past the cached prefix, whose
+KV every draft pool already holds (as its owner left it; see README, "Prefix caching").
 
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
@@ -46,6 +48,7 @@ class DraftState:
     drafts: list[int] = field(default_factory=list)  # d1..dS following the bonus (output_ids[-1])
     q: torch.Tensor | None = None  # [S, V] draft distributions, for sampled requests
     hidden_stash: list[torch.Tensor] = field(default_factory=list)  # target hidden per prefill chunk
+    start: int = 0  # first position the stash covers (a prefix-cache hit's length; 0 without one)
     iters: int = 0  # verify iterations so far: part of the random key, so re-drafted positions get fresh noise
 
 
@@ -90,8 +93,8 @@ class SpecWorker(TargetWorker):
         self.last_batch = batch
         off = 0
         for r, c in zip(reqs, chunks):
-            if r.draft_state is None:
-                r.draft_state = DraftState()
+            if r.draft_state is None:  # the first chunk: it starts past any cached prefix
+                r.draft_state = DraftState(start=r.kv_len)
             r.draft_state.hidden_stash.append(out.hidden[off : off + c])
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
@@ -104,12 +107,14 @@ class SpecWorker(TargetWorker):
         return results
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
-        """Each draft runner over the whole sequence of each request: layer k at position p reads
-        t_{p+k+1}, so its ids are the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
-        lens = [r.kv_len for r in reqs]
-        toks = [r.fill_ids[: r.kv_len] + [b] for r, b in zip(reqs, bonus)]
+        """Each draft runner over positions [start, kv_len) of each request (start = the cached prefix
+        the draft pools already hold, else 0): layer k at position p reads t_{p+k+1}, so its ids are
+        the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
+        starts = [r.draft_state.start for r in reqs]
+        lens = [r.kv_len - s for r, s in zip(reqs, starts)]
+        toks = [r.fill_ids[s : r.kv_len] + [b] for r, s, b in zip(reqs, starts, bonus)]
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                           prefix_lens=[0] * len(reqs), extend_lens=lens,
+                           prefix_lens=starts, extend_lens=lens,
                            req_to_token=self.target.binding.req_to_token.req_to_token, device=self.device,
                            rids=tuple(r.rid for r in reqs))
         target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
@@ -296,6 +301,11 @@ class SpecWorker(TargetWorker):
             # read tokens not yet verified (new drafts), so min(k, n+1) positions per layer; count them.
             if self.boundary_kv == "stale":
                 self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
+
+    def kv_valid_len(self, req: Req) -> int:
+        """Draft pools are filled when a request's prefill completes: until then only its cached prefix
+        is valid in every runner. After that every committed position is (stale policy: as written)."""
+        return req.cached_len if req.prefilling else req.kv_len
 
     def release(self, req: Req) -> None:
         req.draft_state = None
