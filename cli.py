@@ -14,6 +14,7 @@ commands:
   generate      offline generation with the engine (see mleagle generate --help)
   bench         offline throughput benchmark vs HF transformers (mleagle bench --help)
   bench serve   online load generator against a running server (mleagle bench serve --help)
+  bench prefix  prefix cache on against off: TTFT, prompt tokens computed, acceptance (mleagle bench prefix --help)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
 """
 
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = args[0], args[1:]
     if cmd == "generate":
         from mleagle.engine.entrypoints.generate import main as run
+    elif cmd == "bench" and rest[:1] == ["prefix"]:
+        from mleagle.engine.entrypoints.bench_prefix import main as run
+
+        rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["serve"]:
         from mleagle.daemon.bench_serve import bench_serve_main as run
 

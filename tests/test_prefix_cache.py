@@ -201,6 +201,77 @@ def pressure_problems(draft: str) -> list[str]:
     return bad + e.mem.idle_problems()
 
 
+def test_oracle_accepts_everything_on_cache_hits() -> None:
+    """The DESIGN §3 oracle: a draft layer that read another runner's pool would lose acceptance.
+    Second turns hit their first turns' prefixes (their draft KV is what the first turns left in
+    each runner's own pool) and still accept every draft at every depth."""
+    from mleagle.engine.contract.outputs import SpecStats
+    from tests.spec_helpers import oracle_engine
+
+    e = oracle_engine("random:3")
+    firsts = [[1 + i, 9, 17 + i, 4, 30 + i] * (2 + i % 3) for i in range(5)]
+    out1 = run(e, firsts, greedy(12))
+    e.worker.stats = SpecStats(accepted_per_depth=[0] * 3)
+    hits = e.scheduler.prefix_hits
+    seconds = [p + o + [5, 6] for p, o in zip(firsts, out1)]
+    assert run(e, seconds, greedy(12)) == run(oracle_engine(enable_prefix_cache=False), seconds, greedy(12))
+    assert e.scheduler.prefix_hits - hits >= sum(len(p) + 11 for p in firsts)
+    st = e.worker.stats
+    assert st.num_verify > 0 and st.accepted_per_depth == [st.num_verify] * 3
+
+
+# SmolLM2, float32: MT-Bench questions 81, 82, 91 and 101 (both turns), verbatim.
+MT_BENCH = [
+    ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+     "must-see attractions.", "Rewrite your previous response. Start every sentence with the letter A."],
+    ["Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report' you "
+     "prepared. Ask specifically about the data analysis, presentation style, and the clarity of conclusions "
+     "drawn. Keep the email short and to the point.", "Take a moment to evaluate and critique your own response."],
+    ["Pretend yourself to be Elon Musk in all the following conversations. Speak like Elon Musk as much as "
+     "possible. Why do we need to go to Mars?", "How do you like dancing? Can you teach me?"],
+    ["Imagine you are participating in a race with a group of people. If you have just overtaken the second "
+     "person, what's your current position? Where is the person you just overtook?",
+     "If the \"second person\" is changed to \"last person\" in the above question, what would the answer be?"],
+]
+
+
+def _chat_two_turns(e: Engine, n1: int, n2: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Turn 1 for every conversation in one batch; turn 2 resends question and answer (as text,
+    through the chat template, as an OpenAI client does) with the second question."""
+    from mleagle.engine.entrypoints.bench_prefix import chat_ids
+
+    tok = e.tokenizer
+    assert tok is not None
+    m1 = [[{"role": "user", "content": q1}] for q1, _ in MT_BENCH]
+    c1 = e.generate([chat_ids(tok, m) for m in m1], greedy(n1))
+    m2 = [m + [{"role": "assistant", "content": c.text}, {"role": "user", "content": q2}]
+          for m, c, (_, q2) in zip(m1, c1, MT_BENCH)]
+    p2 = [chat_ids(tok, m) for m in m2]
+    rids: list[str] = []
+    outs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    for i, p in enumerate(p2):
+        rids.append(f"t2-{i}")
+        e.add_request(rids[-1], p, greedy(n2))
+    while e.has_work():
+        for o in e.step():
+            outs[o.rid] = outs.get(o.rid, []) + o.token_ids
+            cached[o.rid] = o.num_cached_tokens
+    return [c.token_ids for c in c1], [outs[r] for r in rids], [cached[r] for r in rids]
+
+
+@pytest.mark.parametrize(("draft", "chunk", "n1"), [("none", 512, 24), ("random:2", 16, 16)])
+def test_smollm2_mt_bench_two_turns_cache_on_equals_off(draft: str, chunk: int, n1: int) -> None:
+    kw: dict[str, Any] = {"draft": draft, "chunked_prefill_size": chunk, "max_total_tokens": 4096}
+    on = _chat_two_turns(Engine(**kw), n1, 8)
+    off = _chat_two_turns(Engine(enable_prefix_cache=False, **kw), n1, 8)
+    assert on[:2] == off[:2]
+    assert off[2] == [0] * len(MT_BENCH)
+    # Each second turn reuses its first turn: the chat-templated question and the answer but its last
+    # token (the first turn's KV stops there), and the answer re-encodes to the same tokens.
+    assert all(c >= n1 + 20 for c in on[2]), on[2]
+
+
 @pytest.mark.parametrize("draft", ["none", "random:2"])
 def test_eviction_and_preemption_under_pressure_are_exact(draft: str) -> None:
     assert not pressure_problems(draft)

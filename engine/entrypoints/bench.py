@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool tokens (default: fits the largest batch)")
     p.add_argument("--draft", default=None, help="PATH | random:S[:seed] | none")
     p.add_argument("--spec-steps", type=int, default=None)
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="no prefix KV reuse (with it on, every timed run still starts with an empty cache)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-load", action="store_true", help="skip the cold/warm load subprocesses")
     p.add_argument("--out", default="results/bench_cpu.json")
@@ -144,6 +146,7 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True, seed=None)
+    engine.reset_prefix_cache()  # repeats run the same prompts: each run starts cold, as HF does
     rids = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
     t0, c0 = time.perf_counter(), time.process_time()
     for i, (rid, ids) in enumerate(zip(rids, prompts)):
@@ -320,6 +323,7 @@ def run(a: argparse.Namespace) -> int:
         "machine": machine_info(threads), "model": cfg.model.name, "dtype": a.dtype, "device": a.device,
         "dataset": a.dataset, "batch_sizes": sizes, "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature, "repeats": a.repeats, "draft": a.draft, "spec_steps": a.spec_steps,
+        "prefix_cache": not a.disable_prefix_cache,
         "command": "mleagle bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     }
     if not a.skip_load:
@@ -343,6 +347,8 @@ def run(a: argparse.Namespace) -> int:
     for k in ("draft", "spec_steps", "threads"):
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
+    if a.disable_prefix_cache:
+        over["enable_prefix_cache"] = False
     engine = Engine(cfg, **over)
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
