@@ -173,7 +173,7 @@ class Scheduler:
         if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
             req.kv_len = 0
             return
-        req.kv_len = self.mem.match(req, req.fill_ids[: req.prefill_len - 1])
+        req.kv_len = self.mem.match(req, req.fill_ids[: req.prefill_len - 1], self.worker.prefix_margin)
 
     def _release(self, req: Req) -> None:
         """Hand the KV valid in every runner to the prefix cache and free the rest."""

@@ -39,6 +39,7 @@ def row_info(req: Req, extra: list[int] | None = None, eos_ids: frozenset[int] =
 
 class TargetWorker:
     lookahead = 1
+    prefix_margin = 0  # cached positions a hit leaves to recompute (see SpecWorker.prefix_margin)
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset()):
         self.target = target

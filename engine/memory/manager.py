@@ -58,14 +58,19 @@ class MemoryManager:
         return a.capacity_tokens - a.num_free_tokens - (self.cache.evictable_tokens if self.cache else 0)
 
     # --- the prefix cache ----------------------------------------------------------------------------
-    def match(self, req: HoldsKV, ids: list[int]) -> int:
+    def match(self, req: HoldsKV, ids: list[int], margin: int = 0) -> int:
         """Lock the longest cached prefix of `ids` (whole pages) for a request that holds nothing and
-        make it the front of its pages; returns its length in tokens (0 without a cache)."""
+        make it the front of its pages; returns its length in tokens (0 without a cache). `margin`
+        tokens are left off the end of the match (then whole pages): KV there may have been computed
+        from tokens past the prefix (a draft layer reads ahead), which this request does not share."""
         if req.pages or req.req_pool_idx is not None:
             raise RuntimeError("match: the request already holds KV")
         if self.cache is None or not ids:
             return 0
         pages, node = self.cache.match(ids)
+        keep = max(0, len(pages) * self.page_size - margin) // self.page_size
+        if keep < len(pages):
+            pages, node = self.cache.match(ids[: keep * self.page_size])
         if not pages:
             return 0
         self.cache.lock(node)

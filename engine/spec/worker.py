@@ -16,7 +16,9 @@ W = S+1 rows each:
 Prefill runs the target (possibly in chunks, stashing its hidden states), and when a request's
 prefill completes, each draft runner k runs over the positions this prefill computed, filling its own
 pool: the whole sequence, or after a prefix-cache hit only the positions past the cached prefix, whose
-KV every draft pool already holds (as its owner left it; see README, "Prefix caching").
+KV every draft pool already holds (as its owner left it; see README, "Prefix caching"). A hit leaves
+the last S cached positions to recompute (`prefix_margin`): there the owner's draft KV read tokens
+past the prefix.
 
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
@@ -85,6 +87,13 @@ class SpecWorker(TargetWorker):
     @property
     def runners(self) -> list[ModelRunner]:
         return [self.target, *self.drafts]
+
+    @property
+    def prefix_margin(self) -> int:
+        """Draft layer k's KV at position p was computed from token t_{p+k+1}, so the last S positions
+        of a cached prefix read its owner's continuation, not a new request's: a hit recomputes them
+        (S target tokens), and every runner's KV it reuses was computed from the prefix's own tokens."""
+        return self.steps
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
