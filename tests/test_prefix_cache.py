@@ -465,3 +465,18 @@ def test_a_prefix_freed_while_in_use_is_caught(monkeypatch: pytest.MonkeyPatch) 
     problems, _ = audited_load(tiny_engine(**kw), 300, seed=11, check_locks=False)
     assert any("freed while in use" in p or "two owners" in p for p in problems), problems[:5]
     assert pressure_problems("none") and pressure_problems("random:2")
+
+
+
+def test_disable_flag_on_serve_generate_and_bench() -> None:
+    from mleagle.daemon.cli import build_parser as serve_parser
+    from mleagle.daemon.cli import make_config
+    from mleagle.engine.entrypoints.bench import build_parser as bench_parser
+    from mleagle.engine.entrypoints.generate import build_parser as generate_parser
+    from mleagle.engine.entrypoints.generate import engine_overrides
+
+    assert make_config(serve_parser().parse_args([])).engine.enable_prefix_cache is True
+    assert make_config(serve_parser().parse_args(["--disable-prefix-cache"])).engine.enable_prefix_cache is False
+    assert engine_overrides(generate_parser().parse_args(["--disable-prefix-cache"])) == {"enable_prefix_cache": False}
+    assert "enable_prefix_cache" not in engine_overrides(generate_parser().parse_args([]))
+    assert bench_parser().parse_args(["--disable-prefix-cache"]).disable_prefix_cache is True
