@@ -15,6 +15,7 @@ commands:
   bench         offline throughput benchmark vs HF transformers (mleagle bench --help)
   bench serve   online load generator against a running server (mleagle bench serve --help)
   bench gpu     GPU benchmark through Engine.generate: graphs, eager, speculation, HF (mleagle bench gpu --help)
+  bench prefix  prefix cache on against off: TTFT, prompt tokens computed, acceptance (mleagle bench prefix --help)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
 """
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from mleagle.engine.entrypoints.generate import main as run
     elif cmd == "bench" and rest[:1] == ["gpu"]:
         from mleagle.engine.entrypoints.bench_gpu import main as run
+
+        rest = rest[1:]
+    elif cmd == "bench" and rest[:1] == ["prefix"]:
+        from mleagle.engine.entrypoints.bench_prefix import main as run
 
         rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["serve"]:

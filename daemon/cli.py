@@ -42,6 +42,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
+    "enable_prefix_cache": ("engine", "enable_prefix_cache"),
 }
 
 
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--max-context-len", type=int, default=None)
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
+                    default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max-queued-requests", type=int, default=None, help="beyond running + this many: 429")

@@ -38,6 +38,8 @@ class Choice:
     matched_stop: int | str | None = None
     spec: SpecStats | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    counts_prompt: bool = True  # this choice's prompt counts in the usage block (once per prompt with n > 1)
     t_last: float | None = None
     submitted: bool = False
 
@@ -73,7 +75,7 @@ class Generation:
     def add(self, prompt_ids: list[int], params: SamplingParams, count_prompt: bool = True) -> Choice:
         i = len(self.choices)
         asm = TextAssembler(self.tok, prompt_ids, params.stop, params.skip_special_tokens) if self.tok is not None else None
-        c = Choice(i, f"{self.id}-{i}", prompt_ids, params, asm)
+        c = Choice(i, f"{self.id}-{i}", prompt_ids, params, asm, counts_prompt=count_prompt)
         self.choices.append(c)
         if count_prompt:
             self.prompt_tokens += len(prompt_ids)
@@ -95,6 +97,11 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted like `prompt_tokens` (once per prompt)."""
+        return sum(c.num_cached_tokens for c in self.choices if c.counts_prompt)
 
     def close(self) -> None:
         for c in self.choices:
@@ -118,6 +125,7 @@ class Generation:
         lps = o.logprobs or []
         c.logprobs.extend(lps)
         c.num_output_tokens = max(o.num_output_tokens, len(c.token_ids))
+        c.num_cached_tokens = o.num_cached_tokens
         text = c.asm.push(o.token_ids) if c.asm is not None else ""
         if o.finished:
             if o.finish_reason == "error":
@@ -127,12 +135,14 @@ class Generation:
             c.finish_reason = o.finish_reason or "stop"
             c.matched_stop = o.matched_stop
             c.spec = o.spec
-            m.observe_finished(c.finish_reason, len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec)
+            m.observe_finished(c.finish_reason, len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec,
+                               o.num_cached_tokens)
         elif c.asm is not None and c.asm.stopped:
             # The daemon saw a stop string the engine has not acted on yet: end the choice here.
             self.client.abort(c.rid)
             c.finish_reason = "stop"
-            m.observe_finished("stop", len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec)
+            m.observe_finished("stop", len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec,
+                               o.num_cached_tokens)
         return Delta(c, text, list(o.token_ids), lps, c.finished)
 
     async def deltas(self) -> AsyncIterator[Delta]:

@@ -233,9 +233,10 @@ def sampling(req: CompletionRequest | ChatRequest, budget: int, index: int) -> S
         raise from_validation(e) from None
 
 
-def _usage(gen: Generation) -> dict[str, int]:
+def _usage(gen: Generation) -> dict[str, Any]:
     c = gen.completion_tokens
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": c, "total_tokens": gen.prompt_tokens + c}
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": c, "total_tokens": gen.prompt_tokens + c,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 # ---- logprob formatting -------------------------------------------------------------------------
@@ -479,7 +480,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     def meta(c: Choice) -> dict[str, Any]:
         m: dict[str, Any] = {"id": gen.id, "prompt_tokens": len(ids), "completion_tokens": c.num_output_tokens,
-                             "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
+                             "cached_tokens": c.num_cached_tokens, "finish_reason": c.finish_reason,
+                             "matched_stop": c.matched_stop}
         if req.spec_stats:
             m["spec"] = spec_stats(c)
         return m

@@ -268,6 +268,6 @@ def pools_touched_ok(before: list[list[torch.Tensor]], pools: Sequence[KVPool], 
 
 
 def all_free(e: Engine) -> bool:
-    a, m = e.allocator, e.mem
-    return (a.num_free_tokens == a.capacity_tokens and len(m.free_reqs) == m.max_reqs
-            and not e.scheduler.reqs and not e.scheduler.running and not e.scheduler.waiting)
+    """Nothing held: every page free or only in the prefix cache (unlocked), every request slot free."""
+    return (not e.mem.idle_problems() and not e.scheduler.reqs and not e.scheduler.running
+            and not e.scheduler.waiting)

@@ -110,6 +110,8 @@ class EngineConfig(BaseModel):
     # "stale": draft layers keep boundary KV computed from drafts (the serving policy);
     # "recompute": every draft layer re-runs over the whole sequence each iteration (reference, slow).
     boundary_kv: Literal["stale", "recompute"] = "stale"
+    # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
+    enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)
     seed: int = 0  # seeds requests that bring none, reproducibly per engine run
     # CUDA graphs for decode / verify / every draft-extend step, bucketed up to cuda_graph_max_bs
@@ -139,6 +141,16 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
     # False runs the torch reference of the fused layers (add-RMSNorm, SiLU-and-mul) on CUDA too (debugging).
     fused_layers: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.boundary_kv == "recompute" and self.enable_prefix_cache and self.draft not in ("none", ""):
+            # Recompute re-runs every draft layer over the whole sequence from the target's hidden
+            # states, and a cache hit never computes those for its cached prefix.
+            raise ValueError("boundary_kv='recompute' needs the prefix cache off (enable_prefix_cache=false, "
+                             "--disable-prefix-cache): it re-runs the draft over the whole sequence from "
+                             "target hidden states that a cached prefix never computes")
+        return self
 
 
 class ServerConfig(BaseModel):

@@ -130,7 +130,7 @@ class Engine:
         self.target = build_runner("target", self.model, self.arch.num_hidden_layers, num_slots, self.arch, e,
                                    self.max_reqs, self.max_context_len + LOOKAHEAD_MARGIN, self.dtype)
         self.allocator = SlotAllocator(num_slots, e.page_size)
-        self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token])
+        self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token], prefix_cache=e.enable_prefix_cache)
         self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
         self.worker = self._build_worker()
         self.graph_report = self._capture_graphs()
@@ -247,11 +247,33 @@ class Engine:
         return {"num_running": len(sch.running), "num_waiting": len(sch.waiting), "num_steps": sch.num_steps,
                 "num_preemptions": sch.num_preemptions, "load_time_s": round(self.load_time_s, 3),
                 "spec": spec.summary() if spec is not None else None,
-                "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None)}
+                "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None),
+                "prefix_cache": self.prefix_cache_stats()}
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """Prompt tokens looked up in and found in the prefix cache at admission (vLLM's queries and
+        hits, in tokens), what it holds now, and what it has evicted. None when it is off."""
+        c, s = self.mem.cache, self.scheduler
+        if c is None:
+            return None
+        return {"queries": s.prefix_queries, "hits": s.prefix_hits,
+                "hit_rate": round(s.prefix_hits / s.prefix_queries, 4) if s.prefix_queries else 0.0,
+                "cached_tokens": c.cached_tokens, "evictable_tokens": c.evictable_tokens,
+                "evicted_tokens": c.evicted_tokens}
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix no running request uses; returns the tokens freed."""
+        return self.mem.reset_cache()
 
     def pool_usage(self) -> list[dict[str, Any]]:
-        used_tok = self.allocator.num_used_tokens
+        """Per runner: KV slots held by requests (`kv_used`), cached prefixes (`kv_cached`, of which
+        `kv_evictable` no request uses: free for the taking), request slots. Every runner holds a
+        token's KV at the same slot, so the cache's figures are the same for each."""
+        used_tok = self.mem.num_used_tokens
+        c = self.mem.cache
+        cached, evictable = (c.cached_tokens, c.evictable_tokens) if c is not None else (0, 0)
         return [{"runner": r.name, "kv_used": used_tok, "kv_total": self.allocator.capacity_tokens,
+                 "kv_cached": cached, "kv_evictable": evictable,
                  "req_used": self.mem.num_used_reqs, "req_total": self.mem.max_reqs} for r in self.runners]
 
     # --- offline API ---------------------------------------------------------------------------

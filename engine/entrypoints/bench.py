@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-steps", type=int, default=None)
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                    help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="no prefix KV reuse (with it on, every timed run still starts with an empty cache)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-load", action="store_true", help="skip the cold/warm load subprocesses")
     p.add_argument("--out", default="results/bench_cpu.json")
@@ -146,6 +148,7 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True, seed=None)
+    engine.reset_prefix_cache()  # repeats run the same prompts: each run starts cold, as HF does
     rids = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
     t0, c0 = time.perf_counter(), time.process_time()
     for i, (rid, ids) in enumerate(zip(rids, prompts)):
@@ -323,6 +326,7 @@ def run(a: argparse.Namespace) -> int:
         "dataset": a.dataset, "batch_sizes": sizes, "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature, "repeats": a.repeats, "draft": a.draft, "spec_steps": a.spec_steps,
         "attention_backend": a.attention_backend or "auto",
+        "prefix_cache": not a.disable_prefix_cache,
         "command": "mleagle bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     }
     if not a.skip_load:
@@ -346,6 +350,8 @@ def run(a: argparse.Namespace) -> int:
     for k in ("draft", "spec_steps", "threads", "attention_backend"):
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
+    if a.disable_prefix_cache:
+        over["enable_prefix_cache"] = False
     engine = Engine(cfg, **over)
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.

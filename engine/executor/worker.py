@@ -9,6 +9,8 @@ scatter the new state back, and start one non-blocking copy of the results into 
 so the engine can launch step N+1 before it finishes step N (overlap scheduling). The speculative
 worker (`mleagle.engine.spec.worker`) implements the same interface with draft runners beside the
 target. `lookahead` says how many KV positions one decode step writes per request beyond `kv_len`.
+A request that hit the prefix cache starts with `kv_len` at its cached length, so prefill computes only
+the rest.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
 
 class TargetWorker:
     lookahead = 1
+    prefix_margin = 0  # cached positions a hit leaves to recompute (see SpecWorker.prefix_margin)
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
                  vocab: int = 0, max_reqs: int = 0, steps: int = 0):
@@ -293,6 +296,11 @@ class TargetWorker:
 
     def decode(self, reqs: list[Req]) -> list[StepResult]:
         return self.finish(self.launch(reqs))
+
+    def kv_valid_len(self, req: Req) -> int:
+        """Leading positions of `req` whose KV is computed in every runner's pool: what the prefix
+        cache may keep when the request ends or is preempted. The target's pool is all there is here."""
+        return req.kv_len
 
     def release(self, req: Req) -> None:
         """Drop per-request worker state (the speculative worker keeps prefill hidden states here)."""

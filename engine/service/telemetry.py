@@ -84,6 +84,7 @@ class Telemetry:
                                         draft_time_per_layer_s=list(last.draft_layer_s)))
         for u in self.e.pool_usage():
             bus.emit(ev.PoolEvent(runner=u["runner"], kv_used=u["kv_used"], kv_total=u["kv_total"],
+                                  kv_cached=u["kv_cached"], kv_evictable=u["kv_evictable"],
                                   req_used=u["req_used"], req_total=u["req_total"],
                                   page_size=self.e.allocator.page_size, step=step))
         running = {r.rid for r in s.running}
@@ -144,7 +145,9 @@ class Telemetry:
             gen_tokens_per_s=sum(x[1] for x in self._window) / span,
             prompt_tokens_per_s=sum(x[2] for x in self._window) / span,
             mean_accept_len=stats.accept_len if stats is not None and stats.num_verify else None,
-            steps_total=s.num_steps))
+            steps_total=s.num_steps,
+            prefix_cache_queries_total=s.prefix_queries if self.e.mem.cache is not None else None,
+            prefix_cache_hits_total=s.prefix_hits if self.e.mem.cache is not None else None))
         for r in self.e.runners:
             g = r.graphs
             self.bus.emit(ev.GraphEvent(

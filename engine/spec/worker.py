@@ -19,8 +19,11 @@ W = S+1 rows each, with no read back to the host until its single result copy:
    requests, their distributions) are written into the slot state for the next verify.
 
 Prefill runs the target (possibly in chunks, stashing its hidden states), and when a request's
-prefill completes, each draft runner k runs over the whole sequence, filling its own pool and
-yielding the first drafts.
+prefill completes, each draft runner k runs over the positions this prefill computed, filling its own
+pool: the whole sequence, or after a prefix-cache hit only the positions past the cached prefix, whose
+KV every draft pool already holds (as its owner left it; see README, "Prefix caching"). A hit leaves
+the last S cached positions to recompute (`prefix_margin`): there the owner's draft KV read tokens
+past the prefix. The draft layers' last outputs are the first drafts.
 
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
@@ -51,6 +54,7 @@ from mleagle.engine.sampling.sampler import draw, logprobs
 @dataclass
 class DraftState:
     hidden_stash: list[torch.Tensor] = field(default_factory=list)  # target hidden per prefill chunk
+    start: int = 0  # first position the stash covers (a prefix-cache hit's length; 0 without one)
 
 
 @dataclass
@@ -91,6 +95,13 @@ class SpecWorker(TargetWorker):
     def runners(self) -> list[ModelRunner]:
         return [self.target, *self.drafts]
 
+    @property
+    def prefix_margin(self) -> int:
+        """Draft layer k's KV at position p was computed from token t_{p+k+1}, so the last S positions
+        of a cached prefix read its owner's continuation, not a new request's: a hit recomputes them
+        (S target tokens), and every runner's KV it reuses was computed from the prefix's own tokens."""
+        return self.steps
+
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
         self.admit(reqs)
@@ -99,8 +110,8 @@ class SpecWorker(TargetWorker):
         self.last_batch = batch
         off = 0
         for r, c in zip(reqs, chunks):
-            if r.draft_state is None:
-                r.draft_state = DraftState()
+            if r.draft_state is None:  # the first chunk: it starts past any cached prefix
+                r.draft_state = DraftState(start=r.kv_len)
             r.draft_state.hidden_stash.append(out.hidden[off : off + c])
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
@@ -115,11 +126,13 @@ class SpecWorker(TargetWorker):
         return results
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
-        """Each draft runner over the whole sequence of each request: layer k at position p reads
-        t_{p+k+1}, so its ids are the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
-        lens = [r.kv_len for r in reqs]
+        """Each draft runner over positions [start, kv_len) of each request (start = the cached prefix
+        the draft pools already hold, else 0): layer k at position p reads t_{p+k+1}, so its ids are
+        the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
+        starts = [r.draft_state.start for r in reqs]
+        lens = [r.kv_len - st for r, st in zip(reqs, starts)]
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                           prefix_lens=[0] * len(reqs), extend_lens=lens, req_to_token=self.r2t, device=self.device,
+                           prefix_lens=starts, extend_lens=lens, req_to_token=self.r2t, device=self.device,
                            rids=tuple(r.rid for r in reqs))
         target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
         if self.boundary_kv == "stale":
@@ -128,35 +141,31 @@ class SpecWorker(TargetWorker):
         else:  # "recompute" keeps every committed position's target hidden for the next full pass
             for r, n in zip(reqs, lens):
                 r.draft_state.hidden_stash = [torch.cat(r.draft_state.hidden_stash)[:n]]
-        # Token windows: the committed sequence (and the bonus); position p of layer k reads t_{p+k+1},
-        # the tail filled by the drafts as they are made, on the device.
-        seq = torch.tensor([t for r, b in zip(reqs, bonus) for t in [*r.fill_ids[: r.kv_len], b]],
-                           dtype=torch.int64).to(self.device)
-        starts = torch.tensor([0, *torch.tensor(lens).add(1).cumsum(0).tolist()[:-1]], dtype=torch.int64).to(self.device)
-        ends = starts + torch.tensor(lens).to(self.device)  # index of the bonus in `seq`, per request
-        rel = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        base = torch.repeat_interleave(starts, torch.tensor(lens).to(self.device)) + rel  # position p's index
-        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(self.device)
+        # Token windows on the device: request i's positions start_i..kv_len_i-1 and its bonus form `seq`
+        # (lens_i + 1 entries); layer k at position p reads t_{p+k+1}, from `seq` while that is at most
+        # the bonus, else draft number (p+k+1 - kv_len) made by an earlier layer (`tail`).
+        dev, n = self.device, len(reqs)
+        seq = torch.tensor([t for r, st, b in zip(reqs, starts, bonus) for t in [*r.fill_ids[st : r.kv_len], b]],
+                           dtype=torch.int64).to(dev)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64), (lens_t + 1).cumsum(0)[:-1]])  # each request's seq start
+        row_req = torch.repeat_interleave(torch.arange(n), lens_t).to(dev)
+        rel = torch.cat([torch.arange(x) for x in lens]).to(dev)  # p - start_i, per row
+        offs, lens_d = offs.to(dev), lens_t.to(dev)
+        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev)
         flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
-        tail = torch.zeros(len(reqs), self.steps + 1, dtype=torch.int64, device=self.device)
+        tail = torch.zeros(n, self.steps + 1, dtype=torch.int64, device=dev)
         h = target_hidden
         self.step_batches = []
-        last_rows = ends - torch.arange(len(reqs), device=self.device) - 1  # each request's last row in the view
         for k, runner in enumerate(self.drafts):
-            # t_{p+k+1}: inside the sequence for p+k+1 <= kv_len (the bonus at kv_len), else drafts made so far.
-            idx = base + k + 1
-            over = idx - torch.repeat_interleave(ends, torch.tensor(lens).to(self.device))  # > 0: past the bonus
-            ids = torch.where(over <= 0, seq[idx.clamp(max=seq.shape[0] - 1)],
-                              tail[torch.repeat_interleave(torch.arange(len(reqs), device=self.device),
-                                                           torch.tensor(lens).to(self.device)), over.clamp(min=0)])
+            j = rel + k + 1  # index of t_{p+k+1} in the request's window
+            over = j - lens_d[row_req]  # > 0: past the bonus, a draft
+            ids = torch.where(over <= 0, seq[(offs[row_req] + j.clamp(max=lens_d[row_req]))], tail[row_req, over.clamp(min=0)])
             b = dataclasses.replace(view, input_ids=ids, hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
-            o = runner.forward(b)
-            logits = o.logits  # EXTEND: one row per request, its last position
-            d = self._draft_tokens(rpi, logits, k, flags)
-            tail[:, k + 1] = d
+            o = runner.forward(b)  # EXTEND: one logit row per request, at its last position
+            tail[:, k + 1] = self._draft_tokens(rpi, o.logits, k, flags)
             h = o.hidden if self.chain else target_hidden
-        del last_rows
 
     def _draft_tokens(self, rpi: torch.Tensor, logits: torch.Tensor, k: int, flags: RowFlags,
                       rows: SamplingRows | None = None) -> torch.Tensor:
@@ -333,6 +342,11 @@ class SpecWorker(TargetWorker):
             # read tokens not yet verified (new drafts), so min(k, n+1) positions per layer; count them.
             if self.boundary_kv == "stale":
                 self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
+
+    def kv_valid_len(self, req: Req) -> int:
+        """Draft pools are filled when a request's prefill completes: until then only its cached prefix
+        is valid in every runner. After that every committed position is (stale policy: as written)."""
+        return req.cached_len if req.prefilling else req.kv_len
 
     def release(self, req: Req) -> None:
         super().release(req)
