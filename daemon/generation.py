@@ -197,9 +197,9 @@ class Generation:
                 continue
             if isinstance(item, EngineRequestFailed):
                 c.finish_reason = "error"
-                if item.kind == "input":
-                    raise APIError(400, item.message, param="prompt")
-                raise APIError(500, item.message, type="server_error")
+                if item.kind == "input":  # the engine refused it; its message says why
+                    raise APIError(400, str(item), code="engine_refused")
+                raise APIError(500, str(item), type="server_error")
             if isinstance(item, EngineDead):
                 c.finish_reason = "error"
                 raise APIError(503, str(item), code="engine_dead", headers={"Retry-After": "5"})

@@ -131,25 +131,37 @@ class Server:
                            param="model", code="model_not_found")
 
     def budget(self, prompt_len: int, max_tokens: int | None) -> int:
-        """max_new_tokens for a prompt: what the client asked for, checked against the context."""
+        """max_new_tokens for a prompt: what the client asked for (or all the room there is), checked
+        against the context and against what one request may hold in the engine's KV pool."""
         ctx = self.max_context
-        if prompt_len >= ctx:
-            raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {ctx} tokens",
-                           param="prompt", code="context_length_exceeded")
+        info = self.client.info
+        pool = info.max_request_tokens if info is not None else None
+        limit, what = ctx, f"this model's context is {ctx} tokens"
+        if pool is not None and pool < ctx:
+            limit, what = pool, f"one request may hold {pool} tokens in this server's KV pool"
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; {what}", param="prompt",
+                           code="context_length_exceeded")
         if max_tokens is None:
-            return ctx - prompt_len
-        if prompt_len + max_tokens > ctx:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            asked = str(max_tokens) if max_tokens < 10**12 else f"a {len(str(max_tokens))}-digit number"
             raise APIError(
                 400,
-                f"this model's context is {ctx} tokens; the prompt is {prompt_len} tokens and max_tokens is "
-                f"{max_tokens} ({prompt_len + max_tokens} in all): lower max_tokens or shorten the prompt",
+                f"{what}; the prompt is {prompt_len} tokens and max_tokens is {asked}: lower max_tokens or "
+                "shorten the prompt",
                 param="max_tokens", code="context_length_exceeded",
             )
         return max_tokens
 
-    def need_tokenizer(self, what: str) -> Any:
+    def check_stops(self, params: SamplingParams, param: str) -> None:
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer and this model has none: use stop_token_ids",
+                           param=param)
+
+    def need_tokenizer(self, what: str, param: str = "prompt") -> Any:
         if self.tokenizer is None:
-            raise APIError(400, f"{what} needs a tokenizer and this model has none: send token ids", param="prompt")
+            raise APIError(400, f"{what} needs a tokenizer and this model has none: send token ids", param=param)
         return self.tokenizer
 
     def encode(self, text: str, special: bool) -> list[int]:
@@ -222,11 +234,13 @@ async def admit(request: web.Request, model: type[BaseModel]) -> tuple[Server, A
     return srv, req
 
 
-def sampling(req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
+def sampling(srv: Server, req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
     try:
-        return to_sampling_params(req, budget, index)
+        params = to_sampling_params(req, budget, index)
     except ValidationError as e:  # constraints only SamplingParams knows (e.g. empty or too many stops)
         raise from_validation(e) from None
+    srv.check_stops(params, "stop")
+    return params
 
 
 def _usage(gen: Generation) -> dict[str, int]:
@@ -392,13 +406,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for ids in prompts:
         budget = srv.budget(len(ids), req.max_tokens)
         for j in range(req.n):
-            gen.add(ids, sampling(req, budget, j), count_prompt=j == 0)
+            gen.add(ids, sampling(srv, req, budget, j), count_prompt=j == 0)
     return await run_generation(request, srv, gen, req, _completion_format(srv, gen, req))
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     srv, req = await admit(request, ChatRequest)
-    tok = srv.need_tokenizer("chat")
+    tok = srv.need_tokenizer("chat", "messages")
     msgs = req.messages_dicts()
 
     def encode() -> list[int]:
@@ -415,7 +429,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     gen = srv.generation()
     gen.id = "chatcmpl-" + gen.id
     for j in range(req.n):
-        gen.add(ids, sampling(req, budget, j), count_prompt=j == 0)
+        gen.add(ids, sampling(srv, req, budget, j), count_prompt=j == 0)
     return await run_generation(request, srv, gen, req, _chat_format(srv, gen, req))
 
 
@@ -541,6 +555,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise err from None
     params.max_new_tokens = srv.budget(len(ids), params.max_new_tokens if "max_new_tokens" in sp else None)
     params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+    srv.check_stops(params, "sampling_params.stop")
     gen = srv.generation()
     if req.rid:
         gen.id = req.rid  # names the response only; the engine gets an id of the daemon's own
@@ -645,7 +660,7 @@ def _http_error(e: web.HTTPException) -> APIError:
         return APIError(405, "method not allowed for this path", code="method_not_allowed")
     if e.status == 413:
         return APIError(413, "request body too large", code="body_too_large")
-    return APIError(e.status, e.reason or "HTTP error")
+    return APIError(e.status, (e.text or e.reason or "HTTP error").strip())
 
 
 def _authorized(request: web.Request, key: bytes) -> bool:

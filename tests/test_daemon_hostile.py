@@ -254,6 +254,11 @@ async def test_null_max_tokens_and_prompt_logprobs(srv: ServerProc) -> None:
     st2, b = await post(srv, "/v1/completions", {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0})
     assert st == st2 == 200 and a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"] == 16
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    # within the context (8192) but beyond what the KV pool (8192 tokens) holds for one request with
+    # the decode lookahead: the engine refused it, and the daemon answered 500
+    st, c = await post(srv, "/v1/completions", {"prompt": "a", "max_tokens": 8191})
+    check_error(st, c, 400, "context_length_exceeded", "max_tokens beyond the pool")
+    assert "KV pool" in c["error"]["message"] and c["error"]["param"] == "max_tokens"
     ids = [504, 3458, 253, 655, 28]
     st, g = await post(srv, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2,
                                                                                "prompt_logprobs": 2}})

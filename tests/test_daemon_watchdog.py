@@ -136,6 +136,20 @@ async def test_client_that_never_reads_is_bounded_and_cut(srv: ServerProc) -> No
     assert greedy(srv) == srv.ref
 
 
+async def test_engine_refusals_are_4xx_with_the_param(srv: ServerProc) -> None:
+    """Requests the engine would refuse are refused by the daemon with the field named (the engine's
+    refusals used to reach clients as 500s)."""
+    async with aiohttp.ClientSession() as s:
+        for path, body, param in [
+            ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop"),
+            ("/v1/completions", {"prompt": [1, 2], "stop": "x"}, "stop"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ]:
+            async with s.post(srv.url + path, json=body) as r:
+                assert r.status == 400, (path, await r.text())
+                assert (await r.json())["error"]["param"] == param
+
+
 async def test_frozen_engine_is_detected_and_restarted(srv: ServerProc) -> None:
     pid = srv.engine()["pid"]
     try:

@@ -260,6 +260,14 @@ def _event_pump(addr: str | None) -> EventPump | None:
 _SIGTERM = [False]
 
 
+def _max_request_tokens(engine: Any) -> int | None:
+    """What `Engine.add_request` admits: prompt + max_new_tokens + lookahead within the pool."""
+    try:
+        return int(engine.allocator.capacity_tokens) - int(engine.worker.lookahead)
+    except AttributeError:  # a stand-in engine
+        return None
+
+
 def _remove_orphaned_run_dir(run_dir: str, parent: int | None) -> None:
     """The daemon is gone and can no longer remove its run dir: do it, but only a dir of its naming
     (`mleagle-run-<its pid>-*`), never an arbitrary path. The kernel's SIGTERM for a dying parent can
@@ -332,6 +340,7 @@ def _main(args: argparse.Namespace) -> int:
             vocab_size=getattr(engine, "vocab_size", None),
             pid=os.getpid(),
             world_size=args.world_size,
+            max_request_tokens=_max_request_tokens(engine),
         )
     except Exception as e:
         log.error("engine failed to start:\n%s", traceback.format_exc())
