@@ -75,9 +75,14 @@ class OutputQueue(asyncio.Queue[tuple[int, Any]]):
         super()._put(item)
         if isinstance(item[1], RequestOutput):
             self.pending += len(item[1].token_ids)
-            if self.pending > self.limit and self.writing and not self.overflowed:
-                self.overflowed = True
-                self.on_overflow()
+            self.check()
+
+    def check(self) -> None:
+        """Called as outputs arrive, and by the route once a write has suspended (its client is not
+        taking it): more than `limit` tokens waiting then means the client is the one holding them."""
+        if self.writing and self.pending > self.limit and not self.overflowed:
+            self.overflowed = True
+            self.on_overflow()
 
     def _get(self) -> tuple[int, Any]:
         item = super()._get()

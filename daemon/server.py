@@ -32,6 +32,11 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # aiohttp's own dependency before 3.11
+    from async_timeout import timeout
+
 from mleagle.daemon.body import read_json
 from mleagle.daemon.engine_client import EngineClient, EngineUnavailable
 from mleagle.daemon.errors import APIError, from_validation
@@ -311,12 +316,15 @@ class SSE:
         return f"data: {data}\n\n".encode()
 
     async def send(self, obj: Any) -> None:
+        # `timeout` (not wait_for, which runs the write in a task of its own): a write the client takes
+        # completes without suspending this task.
         try:
-            if self.resp is None:
-                self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                        "X-Accel-Buffering": "no"})
-                await asyncio.wait_for(self.resp.prepare(self.request), self.timeout)
-            await asyncio.wait_for(self.resp.write(self.frame(obj)), self.timeout)
+            async with timeout(self.timeout):
+                if self.resp is None:
+                    self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                            "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                    await self.resp.prepare(self.request)
+                await self.resp.write(self.frame(obj))
         except asyncio.TimeoutError:
             raise ClientTooSlow from None
 
@@ -358,13 +366,18 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
     sse = SSE(request, srv.cfg.server.write_timeout_s)
     try:
         try:
+            loop = asyncio.get_running_loop()
             async for d in gen.deltas():
                 for ch in chunks(d):
-                    gen.sink.writing = True  # only while suspended in a write can outputs pile up
+                    # A write that the client takes completes without suspending; one that suspends
+                    # waits for the client, and the check scheduled here runs only then.
+                    gen.sink.writing = True
+                    check = loop.call_soon(gen.sink.check)
                     try:
                         await sse.send(ch)
                     finally:
                         gen.sink.writing = False
+                        check.cancel()
         except APIError as e:
             if sse.resp is None:
                 raise
