@@ -146,8 +146,9 @@ async def test_app_reconnects_after_daemon_restart() -> None:
             await send_until_seen(pilot, app, b.url)
             assert app.model.by_type["acceptance"] > seen and app.model.by_type["snapshot"] == 2
             # by default a daemon publishes counts, not tokens: the requests (with logprobs) show none
+            await until_live(pilot, lambda: any(r.state == "finished" for r in app.model.requests.values()))
             reqs = list(app.model.requests.values())
-            assert reqs and any(r.output_tokens for r in reqs) and not any(r.tokens for r in reqs)
+            assert any(r.output_tokens == 8 for r in reqs) and not any(r.tokens for r in reqs)
             await pilot.pause(0.1)
             assert "● connected" in screen_text(app)
     finally:
