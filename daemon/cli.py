@@ -30,6 +30,13 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "max_body_bytes": ("server", "max_body_bytes"),
     "shutdown_timeout": ("server", "shutdown_timeout_s"),
     "restart_engine": ("server", "restart_engine"),
+    "idle_timeout": ("server", "idle_timeout_s"),
+    "body_timeout": ("server", "body_timeout_s"),
+    "write_timeout": ("server", "write_timeout_s"),
+    "stream_buffer_tokens": ("server", "stream_buffer_tokens"),
+    "engine_ping_interval": ("server", "engine_ping_interval_s"),
+    "engine_ping_timeout": ("server", "engine_ping_timeout_s"),
+    "events_include_text": ("server", "events_include_text"),
     "device": ("engine", "device"),
     "dtype": ("engine", "dtype"),
     "draft": ("engine", "draft"),
@@ -74,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shutdown-timeout", type=float, default=None, help="seconds a SIGTERM drain waits")
     ap.add_argument("--restart-engine", action=argparse.BooleanOptionalAction, default=None,
                     help="restart a dead engine (default) or exit non-zero (--no-restart-engine)")
+    ap.add_argument("--idle-timeout", type=float, default=None,
+                    help="seconds a connection may take to send a request head (after opening or a response)")
+    ap.add_argument("--body-timeout", type=float, default=None, help="seconds to receive a request body (else 408)")
+    ap.add_argument("--write-timeout", type=float, default=None,
+                    help="seconds a client may leave one write unread before it is disconnected")
+    ap.add_argument("--stream-buffer-tokens", type=int, default=None,
+                    help="generated tokens held for a client that is not reading, before its request is stopped")
+    ap.add_argument("--engine-ping-interval", type=float, default=None, help="seconds between engine pings")
+    ap.add_argument("--engine-ping-timeout", type=float, default=None,
+                    help="seconds of engine silence before it is declared frozen and restarted (0: never)")
+    ap.add_argument("--events-include-text", action="store_true", default=None,
+                    help="put token ids, text and logprobs of every request in /v1/events (off: counts only)")
     ap.add_argument("--access-log", action="store_true")
     ap.add_argument("--log-level", default="INFO")
     return ap

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL = "smollm2-135m"
@@ -154,15 +154,45 @@ class EngineConfig(BaseModel):
 
 
 class ServerConfig(BaseModel):
+    """The HTTP daemon: address, key, admission, limits and timeouts, engine supervision, events.
+
+    Timeouts (seconds): `idle_timeout_s` closes a connection that has not sent a complete request head
+    within that time of opening or of its last response (slowloris, idle keep-alive); `body_timeout_s`
+    bounds reading a request body (408); `write_timeout_s` bounds one write to a client that stopped
+    reading. `stream_buffer_tokens` is how many generated tokens the daemon holds for one request it
+    cannot send yet; past it the request is aborted and its stream ends with an error event.
+    The engine is pinged every `engine_ping_interval_s`; with no answer for `engine_ping_timeout_s`
+    (0: never) it is declared frozen, killed, its requests fail, and it is restarted like a dead one.
+    `events_include_text` puts token ids, token text and logprobs in the `request` state events of
+    `/v1/events`; off, subscribers see counts and lifecycle only (other users' output stays private).
+    `api_key` is a secret: it is never written out (dumps show it masked) and never reaches the engine.
+    """
+
     model_config = ConfigDict(extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: SecretStr | None = None
     served_model_name: str | None = None
     max_queued_requests: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     restart_engine: bool = True
+    idle_timeout_s: float = Field(15.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    write_timeout_s: float = Field(30.0, gt=0)
+    stream_buffer_tokens: int = Field(4096, ge=1)
+    engine_ping_interval_s: float = Field(1.0, gt=0)
+    engine_ping_timeout_s: float = Field(30.0, ge=0)
+    events_include_text: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerConfig:
+        if self.engine_ping_timeout_s and self.engine_ping_timeout_s < 2 * self.engine_ping_interval_s:
+            raise ValueError("engine_ping_timeout_s must be at least twice engine_ping_interval_s (or 0)")
+        return self
+
+    def key(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key is not None else None
 
 
 class MleagleConfig(BaseModel):
@@ -172,6 +202,10 @@ class MleagleConfig(BaseModel):
     model: ModelSource
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    def for_engine(self) -> str:
+        """This configuration as the engine process gets it: JSON without any secret."""
+        return self.model_dump_json(exclude={"server": {"api_key"}})
 
 
 def smollm2_gguf_path() -> str:

@@ -4,7 +4,9 @@ The engine process installs an `EventBus` as `engine.events`; until then (and in
 every hook returns at once. Hooks: `on_forward` (every runner forward → logprob metadata: mode, bs,
 width, logit rows against the one row-count rule), `on_step` (the step's batch and any draft-extend
 batches, per-runner pool occupancy, acceptance, request lifecycle and per-token logprobs), `on_add`
-(queued). Everything read here is a Python int, a list length or a tensor shape.
+(queued). Everything read here is a Python int, a list length or a tensor shape. Request events carry
+counts and lifecycle only: token ids, token text and logprobs (another user's output, readable by
+every subscriber) go into them only when the operator sets `server.events_include_text`.
 """
 
 from __future__ import annotations
@@ -95,12 +97,13 @@ class Telemetry:
             bus.emit(ev.RequestEvent(rid=rid, state="preempted"))
         self.running = running
         tok = self.e.tokenizer
+        with_tokens = self.e.cfg.server.events_include_text
         # In a verify step a request's tokens are its accepted drafts (depth 1..n) then the target's
         # own token (depth 0); elsewhere every token is the target's.
         accepted = dict(zip(b.rids, last.accepted)) if last is not None and b is not None else {}
         for o in outputs:
             toks = None
-            if o.logprobs:
+            if with_tokens and o.logprobs:
                 n = accepted.get(o.rid)
                 depths = [*range(1, n + 1), 0] if n is not None else [0] * len(o.logprobs)
                 toks = [ev.TokenEvent(token_id=lp.token_id, text=tok.decode([lp.token_id]) if tok else None,
