@@ -282,11 +282,11 @@ class Engine:
             return list(prompt)  # type: ignore[arg-type]
         if self.tokenizer is None:
             raise EngineInputError("this model has no tokenizer: pass token ids")
+        # Chat content is encoded as plain text (a user typing <|im_start|> cannot forge a turn).
         if isinstance(prompt, list):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)  # type: ignore[arg-type]
+            return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def stream(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -341,7 +341,7 @@ def run(a: argparse.Namespace) -> int:
     tok = Tokenizer.from_source(cfg.model)
     if tok is None:
         raise ValueError(f"model {cfg.model.name!r} has no tokenizer: the benchmark needs chat prompts")
-    prompts_all = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+    prompts_all = [tok.encode_chat([{"role": "user", "content": t}])
                    for t in texts]
     # The KV pool is sized to the largest batch (prompts + new tokens + slack) unless given.
     need = sum(sorted((len(p) for p in prompts_all), reverse=True)[: max(sizes)]) + max(sizes) * (a.max_new_tokens + 16)

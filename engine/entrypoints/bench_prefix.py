@@ -58,7 +58,7 @@ def mt_bench(ddir: Path) -> list[list[str]]:
 
 
 def chat_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
-    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    return tok.encode_chat(messages)
 
 
 def system_prompt(tok: Any, n: int, ddir: Path) -> str:
