@@ -64,7 +64,7 @@ def random_load(e: Engine, n: int, vocab: int, max_prompt: int, max_new: int, se
         else:
             kw.update(temperature=0)
         if rng.random() < 0.2:
-            kw["stop_token_ids"] = [rng.randrange(vocab) for _ in range(5)]
+            kw["stop_token_ids"] = [rng.randrange(vocab) for _ in range(20)]  # enough that stops happen
         reqs[f"r{i}"] = (prompt, SamplingParams(**kw))
     pending = list(reqs)
     outs: dict[str, list[int]] = {r: [] for r in reqs}

@@ -34,6 +34,9 @@ from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker
 from mleagle.engine.memory.manager import MemoryManager
 
 StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
+# A decoding request's KV grows in blocks of this many positions (while the pool has free pages), so
+# most decode steps allocate nothing and write no slot map.
+DECODE_GROW = 32
 
 
 class Scheduler:
@@ -162,7 +165,7 @@ class Scheduler:
         """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
         ready = [r for r in self.running if not r.prefilling]
         for r in ready:
-            if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context)):
+            if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW):
                 return None
         return ready
 
@@ -213,7 +216,7 @@ class Scheduler:
             ready = [r for r in self.running if not r.prefilling]
             if not ready:
                 return []
-            short = [r for r in ready if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context))]
+            short = [r for r in ready if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW)]
             if not short:
                 return ready
             # Preempt the newest request (LIFO) and try again; the oldest always gets to finish.
@@ -290,7 +293,8 @@ class Scheduler:
         new = req.output_ids[req.emitted :]
         lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
         req.emitted = len(req.output_ids)
-        return RequestOutput(
+        # The engine's own values: no validation needed per request per step (model_construct).
+        return RequestOutput.model_construct(
             rid=req.rid, token_ids=new, logprobs=lps,
             prompt_logprobs=res.prompt_logprobs if res is not None else None,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,

@@ -94,6 +94,11 @@ class GraphRunner:
         if mode is ForwardMode.DRAFT_EXTEND:
             self.buf["hidden_in"] = torch.zeros(t, hidden_size, dtype=dtype, device=dev)
         self.pad = {k: v.clone() for k, v in self.buf.items()}
+        # (buffer, its rows per request): W token rows, one request row, the rule's logit rows.
+        self._per = [(k, self.rows(1) if k == "logit_rows" else 1 if k in ("req_pool_indices", "seq_lens") else w)
+                     for k in self.buf]
+        self._hi = mb  # requests' worth of rows that may hold live data (all of them before the first fill)
+        self._bucket_views: dict[int, ForwardBatch] = {}
         self.caps: dict[int, Capture] = {}
         self.stats = GraphStats()
 
@@ -105,38 +110,45 @@ class GraphRunner:
         return None
 
     def rows(self, bs: int) -> int:
-        """Rows per bucket entry for each buffer: tokens (bs·W), requests (bs), logit rows (rule)."""
+        """Logit rows of a padded batch of `bs` requests, by the one rule."""
         return row_meta(self.mode, bs, self.width, pruned=self.pruned).logit_rows
 
+    def _views(self, pbs: int) -> ForwardBatch:
+        """The bucket's batch view over the fixed buffers (built once per bucket: the same objects, so a
+        graph captured on them reads the same addresses at every replay)."""
+        v = self._bucket_views.get(pbs)
+        if v is None:
+            w, tot = self.width, pbs * self.width
+            v = self._bucket_views[pbs] = ForwardBatch(
+                mode=self.mode, input_ids=self.buf["input_ids"][:tot], positions=self.buf["positions"][:tot],
+                out_cache_loc=self.buf["out_cache_loc"][:tot], req_pool_indices=self.buf["req_pool_indices"][:pbs],
+                seq_lens=self.buf["seq_lens"][:pbs], extend_lens=[w] * pbs, prefix_lens=[0] * pbs,
+                logit_rows=self.buf["logit_rows"][: self.rows(pbs)], binding=self.runner.binding, width=w,
+                hidden_in=self.buf["hidden_in"][:tot] if "hidden_in" in self.buf else None, pruned=self.pruned,
+                max_seq_len=w, graph_bs=pbs)
+        return v
+
     def static_batch(self, batch: ForwardBatch | None, pbs: int) -> ForwardBatch:
-        """Copy a live batch (None at capture: all pad rows) into the buffers, padded to `pbs`."""
-        w = self.width
+        """Copy a live batch (None at capture: all pad rows) into the buffers, padded to `pbs`.
+
+        Rows past the live ones hold the pad template: refilled only where an earlier, larger batch
+        left live data (`_hi`, in requests), so steady decoding copies nothing but the live rows."""
+        base = self._views(pbs)
         bs = batch.bs if batch is not None else 0
-        per = {"input_ids": w, "positions": w, "out_cache_loc": w, "req_pool_indices": 1, "seq_lens": 1,
-               "hidden_in": w}
-        for k, buf in self.buf.items():
-            n = self.rows(1) if k == "logit_rows" else per[k]
-            live = n * bs
-            total = (self.rows(pbs) if k == "logit_rows" else n * pbs)
-            if batch is not None and live:
-                src = getattr(batch, k)
-                if k == "hidden_in" and src is None:
-                    raise ValueError("a draft-extend batch without input hidden states")
-                buf[:live].copy_(src.reshape(buf[:live].shape))
-            if total > live:
-                buf[live:total].copy_(self.pad[k][live:total])
-        tot = pbs * w
-        host = list(batch.prefix_lens) if batch is not None else []
-        b = ForwardBatch(
-            mode=self.mode, input_ids=self.buf["input_ids"][:tot], positions=self.buf["positions"][:tot],
-            out_cache_loc=self.buf["out_cache_loc"][:tot], req_pool_indices=self.buf["req_pool_indices"][:pbs],
-            seq_lens=self.buf["seq_lens"][:pbs], extend_lens=[w] * pbs, prefix_lens=host + [0] * (pbs - bs),
-            logit_rows=self.buf["logit_rows"][: self.rows(pbs)], binding=self.runner.binding, width=w,
-            hidden_in=self.buf["hidden_in"][:tot] if "hidden_in" in self.buf else None,
-            rids=batch.rids if batch is not None else (), pruned=self.pruned,
-            max_seq_len=max(batch.max_seq_len if batch is not None else 0, w), graph_bs=pbs,
-        )
-        return b
+        if batch is not None:
+            if "hidden_in" in self.buf and batch.hidden_in is None:
+                raise ValueError("a draft-extend batch without input hidden states")
+            for k, per in self._per:
+                n = per * bs
+                self.buf[k][:n].copy_(getattr(batch, k).reshape(self.buf[k][:n].shape))
+        if self._hi > bs:
+            for k, per in self._per:
+                self.buf[k][per * bs : per * self._hi].copy_(self.pad[k][per * bs : per * self._hi])
+        self._hi = bs
+        if batch is None:
+            return base
+        return dataclasses.replace(base, prefix_lens=list(batch.prefix_lens) + [0] * (pbs - bs), rids=batch.rids,
+                                   max_seq_len=max(batch.max_seq_len, self.width))
 
     def meta_of(self, sb: ForwardBatch) -> RowMeta:
         """The metadata a padded static batch produces (at capture: all pad rows; at replay: live + pad)."""

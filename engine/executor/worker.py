@@ -197,6 +197,8 @@ class TargetWorker:
         return results
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
+        if flags.plain:
+            return x_raw.argmax(-1)
         rows = self.state.rows(rpi, 1, flags)
         x = penalize(x_raw, rows, *self.state.context(rpi, flags))
         return sample(x, rows)[0]

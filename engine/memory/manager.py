@@ -101,14 +101,21 @@ class MemoryManager:
         have = len(self.allocator.free_pages) + self.evictable_pages
         return need <= have and (req.req_pool_idx is not None or bool(self.free_reqs))
 
-    def ensure(self, req: HoldsKV, new_len: int) -> bool:
-        """Give `req` slots for positions [0, new_len). False (nothing changed) if the pool is short."""
+    def ensure(self, req: HoldsKV, new_len: int, grow: int = 0) -> bool:
+        """Give `req` slots for positions [0, new_len). False (nothing changed) if the pool is short.
+
+        `grow` asks for up to that many more positions while free pages allow (never by evicting), so a
+        decoding request takes pages in blocks and most steps need no allocation and no map write."""
         if new_len > self.max_context:
             raise ValueError(f"position {new_len} beyond the request-to-token map ({self.max_context})")
         if req.req_pool_idx is None:
             if not self.free_reqs:
                 return False
         need = self.pages_needed(req, new_len)
+        if need and grow:
+            top = max(new_len, min(new_len + grow, self.max_context // self.page_size * self.page_size))
+            more = min(self.pages_needed(req, top) - need, len(self.allocator.free_pages) - need)
+            need += max(more, 0)
         pages = self._take(need) if need else []
         if pages is None:
             return False

@@ -201,8 +201,11 @@ class SpecWorker(TargetWorker):
         self.last_batch = vb
         self.forwards = [(self.target.name, vb, out.graph_bs, out.eager_reason)]
         flags = st.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
-        rows = st.rows(rpi, w, flags)
-        x = penalize(out.logits, rows, *st.context(rpi, flags, drafts))
+        if flags.plain:
+            x, rows = out.logits, None
+        else:
+            rows = st.rows(rpi, w, flags)
+            x = penalize(out.logits, rows, *st.context(rpi, flags, drafts))
         pred = x.argmax(-1).view(bs, w)
         ar = st._ar[:w].view(1, w)
         if flags.all_greedy:
@@ -210,6 +213,7 @@ class SpecWorker(TargetWorker):
             final = pred.gather(1, n.view(-1, 1)).view(-1)
             emitted = pred  # accepted drafts equal the target's argmax at their rows
         else:
+            assert rows is not None
             n, final = self._reject(x, rows, drafts, pred, rpi, bs, w)
             emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
             emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
