@@ -30,6 +30,7 @@ from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler
 from mleagle.engine.executor.forward_batch import ForwardMode
 from mleagle.engine.executor.graph_runner import GraphRunner, default_buckets
+from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.kernels import set_fused_layers
@@ -152,6 +153,41 @@ class Engine:
             return build_spec_worker(self)
         return TargetWorker(self.target, self.device, frozenset(self.eos_ids), self.arch.vocab_size, self.max_reqs)
 
+    def _capture_iteration(self, buckets: list[int], pool: object, cuda: bool) -> str:
+        """Whole-iteration graphs for plain greedy batches, when every runner's forward can be captured
+        and no backend plans from host lengths (a single replay leaves no room to plan each forward)."""
+        from mleagle.engine.executor.forward_batch import row_meta
+        from mleagle.engine.sampling.processor import RowFlags
+
+        w = self.worker
+        if any(r.graphs is None or r.binding.backend.needs_host_lens for r in self.runners):
+            return "iteration: per-forward graphs only"
+        if getattr(w, "boundary_kv", "stale") != "stale":
+            return "iteration: per-forward graphs only (boundary_kv recompute)"
+        steps = getattr(w, "steps", 0)
+        plain = RowFlags()
+        w._arange(buckets[-1] * (steps + 1))  # grown before any capture, never inside one
+        if steps:
+            def body(rpi: torch.Tensor, live: torch.Tensor) -> Any:
+                return w._iteration(rpi, live, plain, w.capture_view(int(rpi.shape[0])), eager=True)[:2]
+
+            def meta(pbs: int) -> Any:
+                return ([row_meta(ForwardMode.TARGET_VERIFY, pbs, steps + 1)]
+                        + [row_meta(ForwardMode.DRAFT_EXTEND, pbs, steps + 1, pruned=True)] * steps)
+        else:
+            def body(rpi: torch.Tensor, live: torch.Tensor) -> Any:
+                return w._decode_body(rpi, live, plain, w.capture_view(int(rpi.shape[0])), eager=True)
+
+            def meta(pbs: int) -> Any:
+                return [row_meta(ForwardMode.DECODE, pbs, 1)]
+        g = IterationGraph("spec" if steps else "decode", body, meta, buckets, self.target.binding.req_to_token.pad_row,
+                           self.device, emulate=not cuda, pool=pool)
+        g.capture()
+        w.iter_graph = g
+        return (f"iteration ({'verify + accept + ' + str(steps) + ' draft steps' if steps else 'decode + sample'}): "
+                f"buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, "
+                f"{g.stats.capture_s:.2f} s")
+
     def _overlap(self) -> bool:
         """Overlap scheduling on CUDA, unless a backend plans from exact host lengths (FlashInfer)."""
         e = self.cfg.engine
@@ -185,6 +221,7 @@ class Engine:
             r.graphs = g
             lines.append(f"{r.name}: {mode.value} W={g.width} buckets {g.buckets[0]}..{g.buckets[-1]} "
                          f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        lines.append(self._capture_iteration(buckets, pool, cuda))
         report = "cuda graphs" + (" (emulated)" if not cuda else "") + ":\n  " + "\n  ".join(lines)
         log.info(report)
         return report

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from mleagle.engine.contract import events as ev
+from mleagle.engine.executor.worker import FwdInfo
 
 if TYPE_CHECKING:
     from mleagle.engine.contract.outputs import RequestOutput
@@ -62,26 +63,26 @@ class Telemetry:
         bus, step = self.bus, s.num_steps
         w = self.e.worker
         pend = s.last_finished if s.last_mode == "DECODE" else None
-        b = s.last_prefill if s.last_mode == "EXTEND" else pend.batch if pend is not None else None
-        verify = b is not None and b.mode.value == "TARGET_VERIFY"
-        last = getattr(w, "last", None) if verify else None
-        if b is not None and b.mode.value == "EXTEND":
-            self.prompt_window += b.num_tokens
-        forwards = list(pend.forwards) if pend is not None else [("target", b, 0, self.e.target.eager_reason())] if b is not None else []
+        if s.last_mode == "EXTEND" and s.last_prefill is not None:
+            self.prompt_window += s.last_prefill.num_tokens
+            forwards = [FwdInfo.of("target", s.last_prefill, 0, self.e.target.eager_reason())]
+        else:
+            forwards = list(pend.forwards) if pend is not None else []
+        main = forwards[0] if forwards else None
+        last = getattr(w, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
         times = last.draft_layer_s if last is not None else []
         # Draft steps first, the target's batch last, so a subscriber's "last batch" is the step's main forward.
-        for k, (name, fb, gbs, why) in enumerate(forwards[1:] + forwards[:1]):
-            main = name == "target"
-            bus.emit(ev.BatchEvent(step=step, mode=fb.mode.value, runner=name, rids=list(fb.rids),
-                                   num_tokens_per_req=list(fb.extend_lens), num_tokens=fb.num_tokens, bs=fb.bs,
-                                   padded_bs=gbs or fb.bs, graph="replay" if gbs else "eager",
-                                   eager_reason=None if gbs else why,
-                                   duration_s=duration if main else times[k] if k < len(times) else 0.0,
+        for k, f in enumerate(forwards[1:] + forwards[:1]):
+            bus.emit(ev.BatchEvent(step=step, mode=f.mode, runner=f.runner, rids=list(f.rids),  # type: ignore[arg-type]
+                                   num_tokens_per_req=list(f.tokens_per_req), num_tokens=f.num_tokens, bs=f.bs,
+                                   padded_bs=f.graph_bs or f.bs, graph="replay" if f.graph_bs else "eager",
+                                   eager_reason=None if f.graph_bs else f.eager_reason,
+                                   duration_s=duration if f is main else times[k] if k < len(times) else 0.0,
                                    num_running=len(s.running), num_waiting=len(s.waiting)))
         if last is not None and last.bs:
             depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
             bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
-                                        accept_lens=[n + 1 for n in last.accepted], rids=list(b.rids),
+                                        accept_lens=[n + 1 for n in last.accepted], rids=list(main.rids),
                                         draft_time_s=last.draft_s, verify_time_s=last.verify_s,
                                         draft_time_per_layer_s=list(last.draft_layer_s)))
         for u in self.e.pool_usage():
@@ -100,7 +101,7 @@ class Telemetry:
         with_tokens = self.e.cfg.server.events_include_text
         # In a verify step a request's tokens are its accepted drafts (depth 1..n) then the target's
         # own token (depth 0); elsewhere every token is the target's.
-        accepted = dict(zip(b.rids, last.accepted)) if last is not None and b is not None else {}
+        accepted = dict(zip(main.rids, last.accepted)) if last is not None and main is not None else {}
         for o in outputs:
             toks = None
             if with_tokens and o.logprobs:
@@ -151,6 +152,11 @@ class Telemetry:
             steps_total=s.num_steps,
             prefix_cache_queries_total=s.prefix_queries if self.e.mem.cache is not None else None,
             prefix_cache_hits_total=s.prefix_hits if self.e.mem.cache is not None else None))
+        it = getattr(self.e.worker, "iter_graph", None)
+        if it is not None:  # the whole-iteration graphs (plain greedy batches), as one more graph runner
+            self.bus.emit(ev.GraphEvent(runner="iteration", enabled=True, mode=self.e.runners[0].graphs.mode.value,  # type: ignore[union-attr]
+                                        buckets=list(it.buckets), replays=dict(it.stats.replays),
+                                        capture_time_s=it.stats.capture_s))
         for r in self.e.runners:
             g = r.graphs
             self.bus.emit(ev.GraphEvent(

@@ -43,9 +43,9 @@ import torch
 
 from mleagle.engine.contract.outputs import SpecStats
 from mleagle.engine.core.request import Req
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, RowMeta, build_batch
 from mleagle.engine.executor.runner import ModelRunner
-from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker, Timer, pack
+from mleagle.engine.executor.worker import FwdInfo, HostView, Pending, StepResult, TargetWorker, Timer, pack
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
@@ -86,14 +86,24 @@ class SpecWorker(TargetWorker):
         self.boundary_kv_stale_positions = 0
         self.step_batches: list[ForwardBatch] = []  # the last iteration's per-step draft batches (tests)
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
-        # Benchmark-only: force every iteration to accept this many drafts (accept length n+1), so the
-        # speed of speculation can be measured before a draft that earns it exists. Output is then not
-        # the target's; every figure made with it is labelled "simulated".
-        self.simulate_accepted: int | None = None
+        self._simulate = torch.full((), -1, dtype=torch.int64, device=self.device)
 
     @property
     def runners(self) -> list[ModelRunner]:
         return [self.target, *self.drafts]
+
+    @property
+    def simulate_accepted(self) -> int | None:
+        """Benchmark-only: force every iteration to accept this many drafts (accept length n+1), so the
+        speed of speculation can be measured before a draft that earns it exists. Output is then not
+        the target's; every figure made with it is labelled "simulated". A device scalar, so captured
+        iterations read the current value."""
+        v = int(self._simulate)
+        return None if v < 0 else v
+
+    @simulate_accepted.setter
+    def simulate_accepted(self, n: int | None) -> None:
+        self._simulate.fill_(-1 if n is None else n)
 
     @property
     def prefix_margin(self) -> int:
@@ -168,7 +178,7 @@ class SpecWorker(TargetWorker):
             h = o.hidden if self.chain else target_hidden
 
     def _draft_tokens(self, rpi: torch.Tensor, logits: torch.Tensor, k: int, flags: RowFlags,
-                      rows: SamplingRows | None = None) -> torch.Tensor:
+                      rows: SamplingRows | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
         """Draft k+1 per request: argmax for greedy requests, a draw from the processed draft
         distribution q otherwise (q kept in the slot state for rejection sampling). Written to the slot
         state's drafts; returned for the next step's id window."""
@@ -183,24 +193,49 @@ class SpecWorker(TargetWorker):
             d = torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT))
             assert st.draft_q is not None
             st.draft_q[rpi, k] = q
-        st.drafts[rpi, k] = d
+        st.drafts[rpi, k] = d if live is None else torch.where(live, d, st.drafts[rpi, k])
         return d
 
     # --- decode iteration ----------------------------------------------------------------------
     def launch(self, reqs: list[Req]) -> Pending:
-        st = self.state
         s, w, bs = self.steps, self.steps + 1, len(reqs)
         timer = Timer(self.device)
         timer.mark()
         rpi = self.rpi_of(reqs)
+        flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        g = self.iter_graph
+        hidden = None
+        if (g is not None and flags.plain and flags.logprobs < 0 and self.boundary_kv == "stale"
+                and g.bucket(bs) is not None):
+            packed, pbs = g.run(rpi, bs)
+            rids = tuple(r.rid for r in reqs)
+            self.forwards = [FwdInfo(r.name, "TARGET_VERIFY" if r is self.target else "DRAFT_EXTEND", bs, rids, [w] * bs,
+                                     bs * w, pbs, None) for r in self.runners]
+            timer.mark()  # one span: the whole iteration (its verify/draft split is not timed inside a graph)
+        else:
+            packed, _, hidden = self._iteration(rpi, None, flags, self.host_view(reqs), eager=False, timer=timer)
+        p = self._send(reqs, w, flags, packed, timer)
+        if self.boundary_kv == "recompute":
+            assert hidden is not None
+            p = self._recompute(p, hidden)
+        del s
+        return p
+
+    def _iteration(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView, eager: bool,
+                   timer: Timer | None = None) -> tuple[torch.Tensor, list[RowMeta], torch.Tensor]:
+        """Verify, accept, commit and draft-extend on the device; returns (packed result, each forward's
+        row metadata, the target's hidden states). `eager` runs every forward eagerly (inside a
+        whole-iteration capture); `live` masks padded rows out of every state write."""
+        st = self.state
+        s, w, bs = self.steps, self.steps + 1, int(rpi.shape[0])
         drafts = st.drafts[rpi]  # [bs, S]
         ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
-        view = self.view(ForwardMode.TARGET_VERIFY, reqs, rpi, ids, w, self._arange(bs * w))
+        view = self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host)
         vb = self.target.bind(view)
-        out = self.target.forward(vb)
+        out = self.target.forward_eager(vb, observe=False) if eager else self.target.forward(vb)
         self.last_batch = vb
-        self.forwards = [(self.target.name, vb, out.graph_bs, out.eager_reason)]
-        flags = st.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        self.forwards = [FwdInfo.of(self.target.name, vb, out.graph_bs, out.eager_reason)]
+        metas = [vb.meta()]
         if flags.plain:
             x, rows = out.logits, None
         else:
@@ -210,34 +245,31 @@ class SpecWorker(TargetWorker):
         ar = st._ar[:w].view(1, w)
         if flags.all_greedy:
             n = (drafts == pred[:, :s]).to(torch.int64).cumprod(1).sum(1)
-            final = pred.gather(1, n.view(-1, 1)).view(-1)
-            emitted = pred  # accepted drafts equal the target's argmax at their rows
         else:
             assert rows is not None
             n, final = self._reject(x, rows, drafts, pred, rpi, bs, w)
-            emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
-            emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
-        if self.simulate_accepted is not None:
-            n = torch.full_like(n, min(self.simulate_accepted, s))
-            final = pred.gather(1, n.view(-1, 1)).view(-1)
-            emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
-            emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
+        # Benchmark-only forced acceptance (a device scalar, so whole-iteration graphs honour it too).
+        sim = self._simulate >= 0
+        n = torch.where(sim, self._simulate.clamp(max=s), n)
+        at_n = pred.gather(1, n.view(-1, 1)).view(-1)
+        final = at_n if flags.all_greedy else torch.where(sim, at_n, final)
+        # Accepted drafts (equal to the target's argmax where greedy), the final token at row n, and the
+        # target's guesses after it.
+        emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
+        emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
         n_emit = n + 1
         lp = logprobs(out.logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
-        st.commit(rpi, emitted, n_emit, flags)
-        st.iters[rpi] += 1
-        timer.mark()
+        st.commit(rpi, emitted, n_emit, flags, live=live)
+        st.iters[rpi] += 1 if live is None else live.to(torch.int64)
+        if timer is not None:
+            timer.mark()
         # Draft-extend over the same rows. Rows past a request's last accepted row carry the target's
         # guesses; their KV lands at positions >= the new kv_len, which the next iteration rewrites.
-        sel = torch.arange(bs, device=self.device) * w + n
         if self.boundary_kv == "stale":
+            sel = torch.arange(bs, device=self.device) * w + n
             dview = dataclasses.replace(view, mode=ForwardMode.DRAFT_EXTEND, logit_rows=sel, pruned=True)
-            self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer)
-        packed = pack(emitted, n_emit, lp, w)
-        p = self._send(reqs, vb, w, flags, packed, timer)
-        if self.boundary_kv == "recompute":
-            p = self._recompute(p, out.hidden)
-        return p
+            metas += self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer, live, eager)
+        return pack(emitted, n_emit, lp, w), metas, out.hidden
 
     def _reject(self, x: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, pred: torch.Tensor, rpi: torch.Tensor,
                 bs: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,21 +307,26 @@ class SpecWorker(TargetWorker):
         return rng.uniform(rng.keys(cut(rows.seed), cut(rows.pos), rng.STREAM_ACCEPT, cut(rows.it)), 1).view(bs, s)
 
     def _draft_extend(self, rpi: torch.Tensor, view: ForwardBatch, target_hidden: torch.Tensor, emitted: torch.Tensor,
-                      n: torch.Tensor, flags: RowFlags, timer: Timer) -> None:
+                      n: torch.Tensor, flags: RowFlags, timer: Timer | None, live: torch.Tensor | None = None,
+                      eager: bool = False) -> list[RowMeta]:
         h = target_hidden
         ids = emitted  # layer 0 at row j reads t_{kv_len+j+1}: the emitted tokens, the target's guesses after
         rows = None if flags.all_greedy else self.state.rows(rpi, 1, flags)
         self.step_batches = []
+        metas = []
         for k, runner in enumerate(self.drafts):
             b = dataclasses.replace(view, input_ids=ids.reshape(-1), hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
-            o = runner.forward(b)
-            self.forwards.append((runner.name, b, o.graph_bs, o.eager_reason))
-            d = self._draft_tokens(rpi, o.logits, k, flags, rows)
-            timer.mark()
+            o = runner.forward_eager(b, observe=False) if eager else runner.forward(b)
+            self.forwards.append(FwdInfo.of(runner.name, b, o.graph_bs, o.eager_reason))
+            metas.append(b.meta())
+            d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
+            if timer is not None:
+                timer.mark()
             # Rotate: every window shifts left by one, and the new draft goes at the last accepted row.
             ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))
             h = o.hidden if self.chain else target_hidden
+        return metas
 
     def _recompute(self, p: Pending, target_hidden: torch.Tensor) -> Pending:
         """Reference boundary-KV policy: read the accepted counts, then re-run every draft layer over the
