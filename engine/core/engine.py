@@ -182,7 +182,11 @@ class Engine:
                 return [row_meta(ForwardMode.DECODE, pbs, 1)]
         g = IterationGraph("spec" if steps else "decode", body, meta, buckets, self.target.binding.req_to_token.pad_row,
                            self.device, emulate=not cuda, pool=pool)
-        g.capture()
+        try:
+            g.capture()
+        except Exception as err:  # per-forward graphs still serve every batch
+            log.exception("whole-iteration graph capture failed; per-forward graphs serve instead")
+            return f"iteration: per-forward graphs only (capture failed: {type(err).__name__}: {err})"
         w.iter_graph = g
         return (f"iteration ({'verify + accept + ' + str(steps) + ' draft steps' if steps else 'decode + sample'}): "
                 f"buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, "
@@ -217,7 +221,13 @@ class Engine:
             g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
                             hidden_size=self.arch.hidden_size, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
                             emulate=not cuda, pool=pool)
-            g.capture()
+            try:
+                g.capture()
+            except Exception as err:  # a kernel that cannot be captured: serve eagerly, say why
+                log.exception("graph capture of %s failed; it runs eagerly", r.name)
+                r.no_graph_reason = f"capture failed: {type(err).__name__}"
+                lines.append(f"{r.name}: eager (capture failed: {type(err).__name__}: {err})")
+                continue
             r.graphs = g
             lines.append(f"{r.name}: {mode.value} W={g.width} buckets {g.buckets[0]}..{g.buckets[-1]} "
                          f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
