@@ -139,22 +139,24 @@ class SpecWorker(TargetWorker):
 
     def _draft_tokens(self, reqs: list[Req], logits: torch.Tensor, k: int) -> tuple[list[int], list[torch.Tensor | None] | None]:
         """Draft k+1 per request from the draft's logits: argmax for greedy requests, a sample from
-        the processed draft distribution q (kept for rejection sampling) otherwise."""
+        the processed draft distribution q (kept for rejection sampling) otherwise. The logits are
+        over the draft vocabulary; `head` maps indices to target ids and q back to the target's."""
+        head = self.drafts[k].model.head
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(-1).tolist(), None
+            return head.to_target_ids(logits.argmax(-1)).tolist(), None
         probs = probs_from_logits(logits, [r.params for r in reqs])
         toks: list[int] = []
         qs: list[torch.Tensor | None] = []
         for i, r in enumerate(reqs):
             if r.params.greedy:
-                toks.append(int(logits[i].argmax()))
+                toks.append(int(head.to_target_ids(logits[i].argmax())))
                 qs.append(None)
                 continue
             st: DraftState = r.draft_state
             pos = r.kv_len - len(r.prompt_ids) + 1 + k  # output index this draft proposes (the bonus sits at kv_len)
             e = rng.exponential(r.seed, pos, probs.shape[1], rng.STREAM_DRAFT, st.iters).to(logits.device)
-            toks.append(int((probs[i] / e).argmax()))
-            qs.append(probs[i])
+            toks.append(int(head.to_target_ids((probs[i] / e).argmax())))
+            qs.append(head.scatter_probs(probs[i]))
         return toks, qs
 
     # --- decode iteration ----------------------------------------------------------------------
@@ -306,7 +308,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
     own one-layer KV pool, request-to-token map and backend, registered with the memory manager."""
     from mleagle.engine.contract.config import MAX_SPEC_STEPS
     from mleagle.engine.core.engine import EngineInputError, build_runner
-    from mleagle.engine.spec.checkpoint import load_layer, parse_spec, random_layer_weights, read_draft
+    from mleagle.engine.spec.checkpoint import load_draft, load_layer, parse_spec, random_layer_weights
     from mleagle.engine.spec.draft_model import DraftStack
 
     e = engine  # an Engine; typed loosely to keep the import graph one-way
@@ -316,12 +318,14 @@ def build_spec_worker(engine: object) -> SpecWorker:
     except ValueError as err:
         raise EngineInputError(str(err)) from err
     arch = e.arch  # type: ignore[attr-defined]
+    vocab_ids = None
     if kind == "random":
         layers = [random_layer_weights(arch, seed, k) for k in range(s or 0)]
         darch = arch
     else:
         try:
-            darch, chain, layers = read_draft(ecfg.draft, arch)
+            ck = load_draft(ecfg.draft, arch)
+            darch, chain, layers, vocab_ids = ck.arch, ck.chain, ck.layers, ck.vocab_ids
         except (FileNotFoundError, ValueError) as err:
             raise EngineInputError(str(err)) from err
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:
@@ -331,7 +335,11 @@ def build_spec_worker(engine: object) -> SpecWorker:
     if steps > len(layers):
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     model = e.model  # type: ignore[attr-defined]
-    stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope)  # type: ignore[attr-defined]
+    try:
+        stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
+                           vocab_ids=vocab_ids)
+    except ValueError as err:
+        raise EngineInputError(f"draft {ecfg.draft}: {err}") from err
     for m, w in zip(stack.layers, layers):
         load_layer(m, {k: v.to(e.dtype) for k, v in w.items()})  # type: ignore[attr-defined]
     stack.to(e.device).eval()  # type: ignore[attr-defined]
