@@ -15,6 +15,7 @@ commands:
   bench         offline throughput benchmark vs HF transformers (mleagle bench --help)
   bench serve   online load generator against a running server (mleagle bench serve --help)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
+  train-draft   make a draft from the target's own outputs: generate, train, eval, all (mleagle train-draft --help)
 """
 
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         from mleagle.engine.entrypoints.bench import main as run
     elif cmd == "serve":
         from mleagle.daemon.cli import serve_main as run
+    elif cmd == "train-draft":
+        from mleagle.engine.entrypoints.train_draft import main as run
     else:
         print(f"mleagle: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -33,8 +33,9 @@ from mleagle.engine.models.llama import DecoderLayer
 class DraftHead(nn.Module):
     """The draft's LM head: the target's own (`vocab_ids` None) or a gathered copy of its rows.
 
-    One instance is shared by every layer of a stack. With `vocab_ids`, `weight` is [Vd, H], made once
-    from the target head at construction (a per-step gather would cost what the subset saves).
+    One instance is shared by every layer of a stack. With `vocab_ids`, `weight` is [Vd, H], a copy made
+    from the target head at construction (a per-step gather would cost what the subset saves): code that
+    edits the target head afterwards calls `refresh()`.
     """
 
     vocab_ids: torch.Tensor | None
@@ -58,6 +59,12 @@ class DraftHead(nn.Module):
         w = lm_head.weight
         self.register_buffer("vocab_ids", ids.to(w.device), persistent=False)
         self.register_buffer("weight", w.detach()[self.vocab_ids].clone(), persistent=False)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-gather the rows after the target head's weights changed (loading, tests that edit weights)."""
+        if self.vocab_ids is not None:
+            self.weight = self._target[0].weight.detach()[self.vocab_ids].clone()
 
     @property
     def size(self) -> int:
