@@ -133,5 +133,11 @@ class DraftStack(nn.Module):
     def vocab_ids(self) -> torch.Tensor | None:
         return self.head.vocab_ids
 
+    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        """Give every layer a new shared head over `vocab_ids` (None: the target's whole vocabulary)."""
+        self.head = DraftHead(self.head._target[0], vocab_ids)
+        for m in self.layers:
+            m.head = self.head
+
     def __len__(self) -> int:
         return len(self.layers)
