@@ -108,6 +108,8 @@ def test_sharded_bf16_checkpoint_round_trips(tmp_path: Path) -> None:
 def test_reduced_vocabulary_checkpoint_serves_exactly(tmp_path: Path) -> None:
     """vocab_ids travel with the checkpoint; greedy and seeded sampled outputs equal target-only ones
     (rejection sampling with q scattered back to the target's vocabulary); bad ids are clear errors."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     src = Engine(tiny_cfg(), draft="random:2:3")
@@ -126,7 +128,11 @@ def test_reduced_vocabulary_checkpoint_serves_exactly(tmp_path: Path) -> None:
     w = load_file(str(d / "draft.safetensors"))
     w["vocab_ids"] = torch.tensor([1, 1, 2])
     save_file(w, str(d / "draft.safetensors"))
-    with pytest.raises(EngineInputError, match="config says|repeat"):
+    with pytest.raises(EngineInputError, match="config says 85"):
+        Engine(tiny_cfg(), draft=str(d))
+    cfg = json.loads((d / "draft_config.json").read_text())
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"draft_vocab_size": 3}))
+    with pytest.raises(EngineInputError, match="must not repeat"):
         Engine(tiny_cfg(), draft=str(d))
 
 
@@ -149,6 +155,6 @@ def test_default_draft_of_the_model(tmp_path: Path) -> None:
     assert isinstance(Engine(cfg, draft="random:1").worker, SpecWorker)
     cfg.model.default_draft = "drafts/no-such-draft"
     assert resolve_draft(cfg) == (str(REPO_ROOT / "drafts" / "no-such-draft"), True)
-    with pytest.raises(EngineInputError, match="default draft of t .*drafts/no-such-draft.*--draft none"):
+    with pytest.raises(EngineInputError, match=r"default draft of t .*drafts/no-such-draft.*--draft none"):
         Engine(cfg)
     assert type(Engine(cfg, draft="none").worker) is TargetWorker

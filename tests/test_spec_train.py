@@ -201,3 +201,40 @@ def test_reduced_vocabulary_selection_and_mapping() -> None:
     for bad in ([1, 1], [256], []):
         with pytest.raises(ValueError):
             T.init_stack(e.model, 1, "random", vocab_ids=torch.tensor(bad, dtype=torch.int64))
+
+
+def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
+    """`mleagle train-draft all` with a time budget (the training probe and the generation stop rule),
+    on a tiny model with SmolLM2's tokenizer and chat template over the shared prompts; then the
+    export holds the deliverables and the draft serves; `train --data data.npz --resume` reruns."""
+    from mleagle import cli
+    from mleagle.engine.contract.config import data_dir, smollm2_gguf_path
+
+    if not (data_dir() / "prompts.jsonl").is_file():
+        pytest.skip("the shared prompt data is not here")
+    toml = tmp_path / "tiny.toml"
+    toml.write_text(f'[model]\nname = "tiny"\nload_format = "dummy"\ntokenizer = "{smollm2_gguf_path()}"\n'
+                    "[model.arch]\nvocab_size = 49152\nhidden_size = 32\nintermediate_size = 64\n"
+                    "num_hidden_layers = 1\nnum_attention_heads = 2\nnum_key_value_heads = 1\n"
+                    "max_position_embeddings = 1024\ntie_word_embeddings = true\neos_token_id = 2\n")
+    out, exp = tmp_path / "run", tmp_path / "export"
+    common = ["--model", str(toml), "--device", "cpu", "--layers", "2", "--batch-tokens", "512", "--draft-vocab", "1024",
+              "--chunk-rows", "512", "--holdout-seqs", "4", "--log-every-s", "100"]
+    rc = cli.main(["train-draft", "all", "--out", str(out), "--export", str(exp), "--time-budget-s", "600",
+                   "--max-prompts", "24", "--max-new-tokens", "12", "--gen-batch", "12", "--shard-seqs", "8",
+                   "--epochs", "2", "--eval-prompts", "3", "--eval-max-new-tokens", "8", "--eval-batch", "3",
+                   "--eval-budget-s", "60", *common])
+    assert rc == 0
+    s = json.loads((exp / "summary.json").read_text())
+    assert s["plan"]["train_tok_s_probe"] > 0 and s["generate"]["run"]["seqs"] > 10
+    assert s["train"]["draft_vocab"] == 1024 and s["train"]["result"]["steps"] > 0
+    assert {r["dataset"] for r in s["eval"]["runs"]} == {"mt_bench", "gsm8k"}
+    assert all(r["prompts"] == 3 and r["accept_len"] >= 1.0 for r in s["eval"]["runs"])
+    files = sorted(p.relative_to(exp).as_posix() for p in exp.rglob("*") if p.is_file())
+    assert files == ["data.npz", "draft/README.md", "draft/draft.safetensors", "draft/draft_config.json", "summary.json"]
+    assert len(D.load_seqs(exp / "data.npz")) == s["generate"]["totals"]["seqs"]
+    assert "| mt_bench | 0.0 |" in (exp / "draft" / "README.md").read_text()
+    # training reruns from the exported token ids
+    rc = cli.main(["train-draft", "train", "--out", str(tmp_path / "again"), "--data", str(exp / "data.npz"),
+                   "--steps", "3", *common])
+    assert rc == 0 and json.loads((tmp_path / "again" / "train.json").read_text())["result"]["steps"] == 3

@@ -81,6 +81,7 @@ def _train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: the target's)")
     g.add_argument("--draft-vocab-coverage", type=float, default=None,
                    help="instead of a size: the smallest multiple of 1024 ids covering this share of response tokens")
+    g.add_argument("--data", default=None, help="train on this data folder or exported .npz (default OUT/data)")
     g.add_argument("--holdout-seqs", type=int, default=64)
     g.add_argument("--train-time-budget-s", type=float, default=None)
     g.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's train_state.pt")
@@ -118,9 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
             f(sp)
         if name == "all":
             sp.add_argument("--time-budget-s", type=float, default=None, help="for the whole run (from process start)")
-            sp.add_argument("--gen-frac", type=float, default=0.45,
-                            help="share of (budget - eval reserve) that generation may use")
+            sp.add_argument("--gen-frac", type=float, default=0.8,
+                            help="most of (budget - eval reserve) that generation may use; it stops earlier once "
+                                 "the data would take all the training time left (measured rates)")
             sp.add_argument("--eval-budget-s", type=float, default=None, help="reserve for eval (default 15%% of the budget)")
+            sp.add_argument("--export", default=None,
+                            help="also write the deliverables here, in at most 8 files of < 16 MiB: draft/ (weights, "
+                                 "config, card), data.npz (all token ids), summary.json")
     return p
 
 
@@ -180,7 +185,8 @@ def free() -> None:
 
 
 # --- phases ----------------------------------------------------------------------------------------------
-def phase_generate(a: argparse.Namespace, engine: Any, deadline: float | None) -> dict[str, Any]:
+def phase_generate(a: argparse.Namespace, engine: Any, deadline: float | None,
+                   stop: Any = None) -> dict[str, Any]:
     from mleagle.engine.contract.config import data_dir
     from mleagle.engine.spec.train_data import (
         generate_data,
@@ -205,7 +211,7 @@ def phase_generate(a: argparse.Namespace, engine: Any, deadline: float | None) -
                 "max_prompts": a.max_prompts, "prompts": len(prompts), "prompts_sha": prompts_fingerprint(prompts),
                 "excluded": ["mt_bench.jsonl (all turns)", "gsm8k_test.jsonl"]}
     run = generate_data(engine, jobs, Path(a.out) / "data", settings, max_new_tokens=a.max_new_tokens,
-                        shard_seqs=a.shard_seqs, deadline=deadline, max_gen_tokens=a.max_gen_tokens)
+                        shard_seqs=a.shard_seqs, deadline=deadline, max_gen_tokens=a.max_gen_tokens, stop=stop)
     from mleagle.engine.spec.train_data import read_manifest
 
     man = read_manifest(Path(a.out) / "data") or {}
@@ -232,17 +238,28 @@ def pick_vocab(a: argparse.Namespace, seqs: Any, vocab_size: int, eos: list[int]
     return select_vocab(counts, size, always=eos), counts
 
 
+def train_config(a: argparse.Namespace) -> Any:
+    from mleagle.engine.spec.train import TrainConfig
+
+    dw = [float(x) for x in a.depth_weights.split(",")] if a.depth_weights else []
+    return TrainConfig(layers=a.layers, epochs=a.epochs, steps=a.steps, lr=a.lr, warmup=a.warmup,
+                       weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
+                       kl_weight=a.kl_weight, ce_weight=a.ce_weight, depth_weights=dw, prompt_weight=a.prompt_weight,
+                       init=a.init, amp=not a.no_amp, chunk_rows=a.chunk_rows, seed=a.seed,
+                       log_every_s=a.log_every_s, ckpt_every_s=a.ckpt_every_s)
+
+
 def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: float | None) -> dict[str, Any]:
     import torch
 
     from mleagle.engine.spec.checkpoint import save_draft
-    from mleagle.engine.spec.train import TrainConfig, Trainer, hidden_rms, init_stack, seed_all
+    from mleagle.engine.spec.train import Trainer, hidden_rms, init_stack, seed_all
     from mleagle.engine.spec.train_data import coverage, load_seqs, response_counts, split_holdout
 
     out = Path(a.out)
     seed_all(a.seed)
     t0 = time.perf_counter()
-    seqs = load_seqs(out / "data")
+    seqs = load_seqs(a.data or out / "data")
     train_s, held = split_holdout(seqs, a.holdout_seqs, a.seed)
     vocab_ids, counts = pick_vocab(a, train_s, model.arch.vocab_size, eos)
     cov = None
@@ -254,12 +271,7 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     log(f"train: {len(train_s)} sequences ({n_tok} tokens), {len(held)} held out")
     rms = hidden_rms(model, train_s) if a.init == "last" else 1.0
     stack = init_stack(model, a.layers, a.init, a.seed, rms, vocab_ids)
-    dw = [float(x) for x in a.depth_weights.split(",")] if a.depth_weights else []
-    cfg = TrainConfig(layers=a.layers, epochs=a.epochs, steps=a.steps, lr=a.lr, warmup=a.warmup,
-                      weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
-                      kl_weight=a.kl_weight, ce_weight=a.ce_weight, depth_weights=dw, prompt_weight=a.prompt_weight,
-                      init=a.init, amp=not a.no_amp, chunk_rows=a.chunk_rows, seed=a.seed,
-                      log_every_s=a.log_every_s, ckpt_every_s=a.ckpt_every_s)
+    cfg = train_config(a)
     ckpt = Path(a.ckpt_dir) if a.ckpt_dir else out / "ckpt"
     log_file = out / "train_log.jsonl"
     tr = Trainer(model, stack, train_s, cfg, ckpt, log_file)
@@ -287,8 +299,9 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
                "hidden_rms": rms, "train_seqs": len(train_s), "train_tokens": n_tok, "heldout_seqs": len(held),
                "draft_vocab": None if vocab_ids is None else len(vocab_ids), "vocab_coverage": cov,
                "heldout_before": before, "heldout_after": after, "resumed": resumed,
+               "autocast": "bfloat16" if cfg.amp and a.device == "cuda" else None, "model_dtype": a.dtype,
                "draft_files": {f.name: f.stat().st_size for f in files}, "time_s": round(time.perf_counter() - t0, 2),
-               "history_tail": hist[-3:]}
+               "history": hist}
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(f"train: saved {out / 'draft'} ({', '.join(f'{f.name} {f.stat().st_size / 2**20:.1f} MiB' for f in files)}); "
         f"held-out agreement per depth {after['acc'] if after else '-'}")
@@ -456,7 +469,8 @@ def card(summary: dict[str, Any]) -> str:
              f"- loss: {c.get('kl_weight')}·KL(target ‖ draft) + {c.get('ce_weight')}·CE(greedy token), depth weights "
              f"{c.get('depth_weights') or 'default 0.8^k'}, AdamW lr {c.get('lr')} (warm-up {c.get('warmup')}, cosine to "
              f"{c.get('min_lr_frac')}×), weight decay {c.get('weight_decay')}, clip {c.get('grad_clip')}, init "
-             f"`{c.get('init')}`, seed {c.get('seed')}, bf16 autocast: {c.get('amp')}",
+             f"`{c.get('init')}`, seed {c.get('seed')}, target in {tr.get('model_dtype')}, autocast "
+             f"{tr.get('autocast') or 'none'} (float32 master weights)",
              f"- draft vocabulary: {tr.get('draft_vocab') or 'the target’s'}; response-token coverage {tr.get('vocab_coverage')}",
              f"- held-out teacher-forced top-1 agreement per depth: {(tr.get('heldout_after') or {}).get('acc')}", "",
              "## Acceptance (this run's eval through the engine)", "",
@@ -481,7 +495,7 @@ def run(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cmd = "mleagle train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
     summary: dict[str, Any] = {"command": cmd, "model": a.model, "phase": a.phase, "hardware": hardware(a.device),
-                               "phases": {}, "name": out.name}
+                               "phases": {}, "name": f"{Path(a.model).stem}-mtp{getattr(a, 'layers', '')}"}
     phases: dict[str, float] = summary["phases"]
     budget = getattr(a, "time_budget_s", None)
     eval_reserve = 0.0
@@ -496,11 +510,13 @@ def run(a: argparse.Namespace) -> int:
         engine = make_engine(a, batch=a.gen_batch, kv_tokens=kv, prefill_chunk=a.gen_prefill_chunk)
         phases["load"] = round(time.perf_counter() - t0, 2)
         dl = time.perf_counter() + a.gen_time_budget_s if a.gen_time_budget_s else None
+        stop = None
         if end is not None:
             share = T_START + a.gen_frac * (budget - eval_reserve)
             dl = min(dl, share) if dl else share
+            stop = plan_generation(a, engine, end - eval_reserve, summary)
         t0 = time.perf_counter()
-        summary["generate"] = phase_generate(a, engine, dl)
+        summary["generate"] = phase_generate(a, engine, dl, stop)
         phases["generate"] = round(time.perf_counter() - t0, 2)
     if a.phase in ("train", "all"):
         t0 = time.perf_counter()
@@ -520,17 +536,68 @@ def run(a: argparse.Namespace) -> int:
     free()
     if a.phase in ("eval", "all"):
         t0 = time.perf_counter()
-        summary["eval"] = phase_eval(a, (end - 3.0) if end is not None else
-                                     (time.perf_counter() + a.eval_time_budget_s if a.eval_time_budget_s else None))
+        dls = [x for x in (end - 3.0 if end is not None else None,
+                           time.perf_counter() + a.eval_time_budget_s if a.eval_time_budget_s else None) if x]
+        summary["eval"] = phase_eval(a, min(dls) if dls else None)
         phases["eval"] = round(time.perf_counter() - t0, 2)
+    from mleagle.engine.spec.train_data import read_manifest
+
+    summary["data_manifest"] = read_manifest(out / "data")
     summary["total_s"] = round(time.perf_counter() - T_START, 2)
     name = "summary.json" if a.phase == "all" else f"summary_{a.phase}.json"
     (out / name).write_text(json.dumps(summary, indent=1) + "\n")
     if a.phase == "all" and (out / "draft").is_dir():
         (out / "draft" / "README.md").write_text(card(summary))
+    if a.phase == "all" and a.export:
+        export(out, Path(a.export), summary)
     print(table(summary))
-    log(f"wrote {out / name}" + (f" and {out / 'draft' / 'README.md'}" if a.phase == "all" else ""))
+    log(f"wrote {out / name}" + (f" and {out / 'draft' / 'README.md'}" if a.phase == "all" else "")
+        + (f"; deliverables in {a.export}" if a.phase == "all" and a.export else ""))
     return 0
+
+
+def plan_generation(a: argparse.Namespace, engine: Any, train_end: float, summary: dict[str, Any]) -> Any:
+    """Measure a training step's throughput, then return the rule that stops generation once training on
+    the data so far for `epochs` epochs would take all the time left before `train_end`."""
+    from mleagle.engine.spec.train import train_throughput
+
+    t0 = time.perf_counter()
+    n = a.draft_vocab or None
+    if a.draft_vocab_coverage is not None:
+        n = None  # unknown before the data exists: the whole vocabulary (slower, so the plan errs safe)
+    rate = train_throughput(engine.model, train_config(a), n)
+    free()
+    pad = 1.15  # length-bucketed batches pad ~5-15%
+    margin = 15.0  # held-out passes, the save
+    summary["plan"] = {"train_tok_s_probe": round(rate, 1), "probe_s": round(time.perf_counter() - t0, 2),
+                       "epochs": a.epochs, "pad": pad}
+    log(f"plan: training runs ~{rate:.0f} padded tok/s (probe {time.perf_counter() - t0:.1f}s): generation stops "
+        f"once {a.epochs} epochs of its data would fill the training time left")
+
+    def stop(tokens: int) -> bool:
+        return a.epochs * tokens * pad / rate >= train_end - time.perf_counter() - margin
+
+    return stop
+
+
+def export(out: Path, dest: Path, summary: dict[str, Any]) -> None:
+    """The deliverables in at most 8 files below 16 MiB: draft/{draft_config.json, draft*.safetensors,
+    README.md}, data.npz (every sequence, shard format, compressed) and summary.json."""
+    import shutil
+
+    from mleagle.engine.spec.train_data import export_data
+
+    (dest / "draft").mkdir(parents=True, exist_ok=True)
+    for f in sorted((out / "draft").iterdir()):
+        if f.is_file():
+            shutil.copy2(f, dest / "draft" / f.name)
+    summary["export"] = {"data": export_data(out / "data", dest / "data.npz")}
+    (dest / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    files = [p for p in dest.rglob("*") if p.is_file()]
+    big = [f"{p.name} {p.stat().st_size / 2**20:.1f} MiB" for p in files if p.stat().st_size >= 16 * 2**20]
+    if len(files) > 8 or big:
+        log(f"export: WARNING {len(files)} files{', too big: ' + ', '.join(big) if big else ''} "
+            "(one GPU run returns at most 8 files of 16 MiB)")
 
 
 def main(argv: list[str]) -> int:

@@ -68,7 +68,7 @@ def layer_state(stack: DraftStack, k: int) -> dict[str, torch.Tensor]:
     }
 
 
-MAX_SHARD_BYTES = 16 * 2**20
+MAX_SHARD_BYTES = 15 * 2**20  # + the header stays under 16 MiB (what one GPU run may return per file)
 
 
 def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = None,
@@ -101,6 +101,7 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
     for name, shard in zip(names, shards):
         tmp = p / (name + ".tmp")
         save_file(shard, str(tmp), metadata={"format": FORMAT})
+        tmp.chmod(0o644)  # safetensors writes 0600; a shipped draft is read by whoever serves it
         tmp.replace(p / name)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for n, t in tensors.items() if n != "vocab_ids"})
     cfg = {"format": FORMAT, "version": 2, "num_layers": len(stack), "chain": stack.chain,

@@ -50,9 +50,10 @@ def norm_text(s: str) -> str:
 
 
 def read_prompt_file(path: Path, source: str | None = None) -> list[Prompt]:
-    """Rows with `prompt` (+ `source`), or `turns` (the first turn, as the shared evaluation files have)."""
+    """Rows with `prompt` (+ `source`), or `turns` (the first turn, as the shared evaluation files have).
+    Lines split on newlines only: prompts hold U+2028 and other characters `splitlines` would cut at."""
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         row = json.loads(line)
@@ -71,7 +72,7 @@ def eval_texts(ddir: Path) -> set[str]:
     for name in EVAL_FILES:
         f = ddir / name
         if f.is_file():
-            for line in f.read_text(encoding="utf-8").splitlines():
+            for line in f.read_text(encoding="utf-8").split("\n"):
                 if line.strip():
                     out.update(norm_text(t) for t in json.loads(line).get("turns", []))
     return out
@@ -216,11 +217,12 @@ def done_jobs(d: Path) -> set[int]:
 def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: dict[str, Any], *,
                   max_new_tokens: int, shard_seqs: int = 1024, deadline: float | None = None,
                   max_gen_tokens: int | None = None, window: int | None = None, min_cut_tokens: int = 16,
-                  log_every_s: float = 10.0) -> dict[str, Any]:
+                  stop: Callable[[int], bool] | None = None, log_every_s: float = 10.0) -> dict[str, Any]:
     """Run the jobs not already in `out`'s shards through the engine; write shards and the manifest.
 
     `settings` (model, dtype, mix, seeds, ...) must equal those of shards already there. Stops at
-    `deadline` (time.perf_counter() value) or once `max_gen_tokens` new tokens exist in the folder.
+    `deadline` (time.perf_counter() value), once `max_gen_tokens` generated tokens exist in the folder,
+    or when `stop(total tokens in the folder, prompts included)` says so (checked every second).
     """
     from mleagle.engine.contract.sampling_params import SamplingParams
 
@@ -244,13 +246,15 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
     vocab = int(engine.arch.vocab_size)
     pending = [j for j in jobs if j.idx not in done]
     gen_total = sum(s["gen_tokens"] for s in man["shards"])
+    all_total = sum(s["tokens"] for s in man["shards"])
+    last_stop_check = 0.0
     window = window or 2 * engine.max_reqs
     log(f"generate: {len(done)} sequences already in {d}, {len(pending)} jobs to run, window {window}")
     t0 = last = time.perf_counter()
     inflight: dict[str, tuple[Job, list[int]]] = {}
     buf: list[Record] = []
     nxt = 0
-    new_tokens = new_seqs = 0
+    new_tokens = new_seqs = new_prompt_tokens = 0
     stop_reason = "done"
 
     def flush() -> None:
@@ -270,6 +274,11 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
             if max_gen_tokens is not None and gen_total + new_tokens >= max_gen_tokens:
                 stop_reason = "token cap"
                 break
+            if stop is not None and time.perf_counter() - last_stop_check >= 1.0:
+                last_stop_check = time.perf_counter()
+                if stop(all_total + new_tokens + new_prompt_tokens):
+                    stop_reason = "enough data for the training time left"
+                    break
             while nxt < len(pending) and len(inflight) < window:
                 j = pending[nxt]
                 nxt += 1
@@ -278,6 +287,7 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
                 rid = f"gen-{j.idx}"
                 engine.add_request(rid, j.ids, sp)
                 inflight[rid] = (j, [])
+                new_prompt_tokens += len(j.ids)
             for o in engine.step():
                 if o.rid not in inflight:
                     continue
@@ -341,7 +351,9 @@ class Seq:
 
 
 def load_seqs(d: str | Path) -> list[Seq]:
-    files = shard_files(Path(d))
+    """Every sequence of a data folder's shards, or of one shard-format .npz file (an export)."""
+    p = Path(d)
+    files = [p] if p.is_file() else shard_files(p)
     if not files:
         raise FileNotFoundError(f"no data shards (shard_*.npz) in {d}: run `mleagle train-draft generate` first")
     out: list[Seq] = []
@@ -434,3 +446,22 @@ def coverage(counts: np.ndarray, vocab_ids: torch.Tensor | None) -> float:
     if vocab_ids is None or tot == 0:
         return 1.0
     return float(counts[vocab_ids.numpy()].sum() / tot)
+
+
+def export_data(d: str | Path, dest: str | Path) -> dict[str, Any]:
+    """All shards of a data folder as one compressed shard-format file (what `load_seqs` reads back)."""
+    files = shard_files(Path(d))
+    parts: dict[str, list[np.ndarray]] = {}
+    base = 0
+    for f in files:
+        with np.load(f) as z:
+            for k in ("tokens", "n_prompt", "job", "temperature", "finished"):
+                parts.setdefault(k, []).append(z[k])
+            parts.setdefault("offsets", []).append(z["offsets"][(1 if parts.get("offsets") else 0):] + base)
+            base += int(z["offsets"][-1])
+    arrays = {k: np.concatenate(v) for k, v in parts.items()}
+    tmp = Path(str(dest) + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(dest)
+    return {"file": Path(dest).name, "seqs": len(arrays["job"]), "tokens": base,
+            "bytes": Path(dest).stat().st_size}
