@@ -220,13 +220,22 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     out, exp = tmp_path / "run", tmp_path / "export"
     common = ["--model", str(toml), "--device", "cpu", "--layers", "2", "--batch-tokens", "512", "--draft-vocab", "1024",
               "--chunk-rows", "512", "--holdout-seqs", "4", "--log-every-s", "100"]
-    rc = cli.main(["train-draft", "all", "--out", str(out), "--export", str(exp), "--time-budget-s", "600",
-                   "--max-prompts", "24", "--max-new-tokens", "12", "--gen-batch", "12", "--shard-seqs", "8",
-                   "--epochs", "2", "--eval-prompts", "3", "--eval-max-new-tokens", "8", "--eval-batch", "3",
-                   "--eval-budget-s", "60", *common])
-    assert rc == 0
+    args = ["train-draft", "all", "--out", str(out), "--export", str(exp), "--time-budget-s", "600",
+            "--max-prompts", "24", "--max-new-tokens", "12", "--gen-batch", "12", "--shard-seqs", "8",
+            "--epochs", "2", "--eval-prompts", "3", "--eval-max-new-tokens", "8", "--eval-batch", "3",
+            "--eval-budget-s", "60", *common]
+    # Bad settings fail before anything runs; a failure later still hands back the data and the draft
+    # (and says why it stopped) ...
+    assert cli.main([*args, "--depth-weights", "1"]) == 2 and not out.exists()
+    assert cli.main([*args, "--eval-datasets", "no_such_set"]) == 2
     s = json.loads((exp / "summary.json").read_text())
-    assert s["plan"]["train_tok_s_probe"] > 0 and s["generate"]["run"]["seqs"] > 10
+    assert "no_such_set" in s["error"] and (exp / "data.npz").is_file() and (exp / "draft" / "draft_config.json").is_file()
+    n_gen = s["generate"]["totals"]["seqs"]
+    # ... and the rerun resumes: nothing is generated again.
+    assert cli.main(args) == 0
+    s = json.loads((exp / "summary.json").read_text())
+    assert s["generate"]["run"]["seqs"] == 0 and s["generate"]["totals"]["seqs"] == n_gen and "error" not in s
+    assert s["plan"]["train_tok_s_probe"] > 0 and n_gen > 10
     assert s["train"]["draft_vocab"] == 1024 and s["train"]["result"]["steps"] > 0
     assert {r["dataset"] for r in s["eval"]["runs"]} == {"mt_bench", "gsm8k"}
     assert all(r["prompts"] == 3 and r["accept_len"] >= 1.0 for r in s["eval"]["runs"])

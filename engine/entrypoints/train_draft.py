@@ -81,7 +81,8 @@ def _train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: the target's)")
     g.add_argument("--draft-vocab-coverage", type=float, default=None,
                    help="instead of a size: the smallest multiple of 1024 ids covering this share of response tokens")
-    g.add_argument("--data", default=None, help="train on this data folder or exported .npz (default OUT/data)")
+    g.add_argument("--data", default=None,
+                   help="train on this data folder or exported data.npz (default OUT/data); `all` then skips generate")
     g.add_argument("--holdout-seqs", type=int, default=64)
     g.add_argument("--train-time-budget-s", type=float, default=None)
     g.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's train_state.pt")
@@ -299,7 +300,8 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
                "hidden_rms": rms, "train_seqs": len(train_s), "train_tokens": n_tok, "heldout_seqs": len(held),
                "draft_vocab": None if vocab_ids is None else len(vocab_ids), "vocab_coverage": cov,
                "heldout_before": before, "heldout_after": after, "resumed": resumed,
-               "autocast": "bfloat16" if cfg.amp and a.device == "cuda" else None, "model_dtype": a.dtype,
+               "autocast": a.dtype if a.dtype != "float32" else "bfloat16" if cfg.amp and a.device == "cuda" else None,
+               "model_dtype": a.dtype,
                "draft_files": {f.name: f.stat().st_size for f in files}, "time_s": round(time.perf_counter() - t0, 2),
                "history": hist}
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -491,27 +493,43 @@ def card(summary: dict[str, Any]) -> str:
 # --- main ------------------------------------------------------------------------------------------------
 def run(a: argparse.Namespace) -> int:
     resolve_device(a)
+    if a.phase in ("train", "all"):
+        train_config(a).weights()  # bad training settings fail now, not after generation
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "mleagle train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
     summary: dict[str, Any] = {"command": cmd, "model": a.model, "phase": a.phase, "hardware": hardware(a.device),
                                "phases": {}, "name": f"{Path(a.model).stem}-mtp{getattr(a, 'layers', '')}"}
-    phases: dict[str, float] = summary["phases"]
     budget = getattr(a, "time_budget_s", None)
     eval_reserve = 0.0
     if budget:
         eval_reserve = a.eval_budget_s if a.eval_budget_s is not None else 0.15 * budget
     end = T_START + budget if budget else None
 
+    try:
+        run_phases(a, summary, end, eval_reserve)
+    except BaseException as err:
+        # Keep what exists (the generated data above all: a second run can train from data.npz
+        # without generating again), then fail loudly.
+        summary["error"] = f"{type(err).__name__}: {err}"
+        finish(a, out, summary)
+        raise
+    finish(a, out, summary)
+    return 0
+
+
+def run_phases(a: argparse.Namespace, summary: dict[str, Any], end: float | None, eval_reserve: float) -> None:
+    phases: dict[str, float] = summary["phases"]
+    budget = getattr(a, "time_budget_s", None)
     engine = None
-    if a.phase in ("generate", "all"):
+    if a.phase == "generate" or (a.phase == "all" and not a.data):
         t0 = time.perf_counter()
         kv = a.gen_batch * (a.max_prompt_tokens + a.max_new_tokens + 32)
         engine = make_engine(a, batch=a.gen_batch, kv_tokens=kv, prefill_chunk=a.gen_prefill_chunk)
         phases["load"] = round(time.perf_counter() - t0, 2)
         dl = time.perf_counter() + a.gen_time_budget_s if a.gen_time_budget_s else None
         stop = None
-        if end is not None:
+        if end is not None and budget:
             share = T_START + a.gen_frac * (budget - eval_reserve)
             dl = min(dl, share) if dl else share
             stop = plan_generation(a, engine, end - eval_reserve, summary)
@@ -540,20 +558,27 @@ def run(a: argparse.Namespace) -> int:
                            time.perf_counter() + a.eval_time_budget_s if a.eval_time_budget_s else None) if x]
         summary["eval"] = phase_eval(a, min(dls) if dls else None)
         phases["eval"] = round(time.perf_counter() - t0, 2)
-    from mleagle.engine.spec.train_data import read_manifest
+
+
+def finish(a: argparse.Namespace, out: Path, summary: dict[str, Any]) -> None:
+    """summary.json, the model card, the export (when asked) and the table: also after a failure."""
+    from mleagle.engine.spec.train_data import read_manifest, shard_files
 
     summary["data_manifest"] = read_manifest(out / "data")
     summary["total_s"] = round(time.perf_counter() - T_START, 2)
     name = "summary.json" if a.phase == "all" else f"summary_{a.phase}.json"
     (out / name).write_text(json.dumps(summary, indent=1) + "\n")
-    if a.phase == "all" and (out / "draft").is_dir():
+    if a.phase == "all" and (out / "draft").is_dir() and "train" in summary:
         (out / "draft" / "README.md").write_text(card(summary))
     if a.phase == "all" and a.export:
-        export(out, Path(a.export), summary)
+        try:
+            export(out, Path(a.export), summary, with_data=bool(shard_files(out / "data")) and not a.data)
+        except Exception as err:  # never hide the original error behind an export failure
+            log(f"export failed: {type(err).__name__}: {err}")
     print(table(summary))
     log(f"wrote {out / name}" + (f" and {out / 'draft' / 'README.md'}" if a.phase == "all" else "")
-        + (f"; deliverables in {a.export}" if a.phase == "all" and a.export else ""))
-    return 0
+        + (f"; deliverables in {a.export}" if a.phase == "all" and a.export else "")
+        + (f"; stopped by {summary['error']}" if "error" in summary else ""))
 
 
 def plan_generation(a: argparse.Namespace, engine: Any, train_end: float, summary: dict[str, Any]) -> Any:
@@ -580,18 +605,20 @@ def plan_generation(a: argparse.Namespace, engine: Any, train_end: float, summar
     return stop
 
 
-def export(out: Path, dest: Path, summary: dict[str, Any]) -> None:
+def export(out: Path, dest: Path, summary: dict[str, Any], with_data: bool = True) -> None:
     """The deliverables in at most 8 files below 16 MiB: draft/{draft_config.json, draft*.safetensors,
     README.md}, data.npz (every sequence, shard format, compressed) and summary.json."""
     import shutil
 
     from mleagle.engine.spec.train_data import export_data
 
-    (dest / "draft").mkdir(parents=True, exist_ok=True)
-    for f in sorted((out / "draft").iterdir()):
-        if f.is_file():
-            shutil.copy2(f, dest / "draft" / f.name)
-    summary["export"] = {"data": export_data(out / "data", dest / "data.npz")}
+    dest.mkdir(parents=True, exist_ok=True)
+    if (out / "draft").is_dir():
+        (dest / "draft").mkdir(exist_ok=True)
+        for f in sorted((out / "draft").iterdir()):
+            if f.is_file():
+                shutil.copy2(f, dest / "draft" / f.name)
+    summary["export"] = {"data": export_data(out / "data", dest / "data.npz") if with_data else None}
     (dest / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     files = [p for p in dest.rglob("*") if p.is_file()]
     big = [f"{p.name} {p.stat().st_size / 2**20:.1f} MiB" for p in files if p.stat().st_size >= 16 * 2**20]

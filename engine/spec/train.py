@@ -85,8 +85,13 @@ class TrainConfig:
         return list(w)
 
 
-def amp_ctx(device: torch.device, on: bool) -> Any:
-    return torch.autocast("cuda", dtype=torch.bfloat16) if on and device.type == "cuda" else nullcontext()
+def amp_ctx(model: LlamaForCausalLM, on: bool) -> Any:
+    """Autocast for a training or teacher forward: bf16 on CUDA when asked, and always in the dtype of a
+    target loaded in half precision (its weights meet the float32 draft's activations)."""
+    w = model.embed_tokens.weight
+    if w.dtype != torch.float32:
+        return torch.autocast(w.device.type, dtype=w.dtype)
+    return torch.autocast("cuda", dtype=torch.bfloat16) if on and w.device.type == "cuda" else nullcontext()
 
 
 # --- the dense forward (training and teacher): the engine's math without a paged KV --------------------
@@ -343,7 +348,7 @@ class Trainer:
         cfg, m = self.cfg, self.model
         cos, sin = self.cos, self.sin
         w = head_weight(m, self.stack)
-        with amp_ctx(self.device, cfg.amp):
+        with amp_ctx(m, cfg.amp):
             ht = target_hidden(m, b.ids, cos, sin)
             ht_n = rms(ht, m.norm.weight, m.norm.eps).flatten(0, 1)
             h = ht
@@ -539,7 +544,7 @@ def hidden_rms(model: LlamaForCausalLM, seqs: Sequence[Seq], n: int = 8) -> floa
     for s in list(seqs)[:n]:
         ids = torch.from_numpy(s.ids[:512]).to(dev).unsqueeze(0)
         cos, sin = rope_tables(model, ids.shape[1], dev)
-        with amp_ctx(dev, True):
+        with amp_ctx(model, True):
             h = target_hidden(model, ids, cos, sin)
         vals.append(h.float().pow(2).mean(-1).sqrt().flatten())
     return float(torch.cat(vals).median()) if vals else 1.0
