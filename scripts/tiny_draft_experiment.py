@@ -57,16 +57,18 @@ def generate(e: Engine, prompts: list[list[int]], n: int) -> tuple[list[list[int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0, help="prompts, data split and draft init")
+    ap.add_argument("--only", default=None, help="comma list of configuration numbers (0-based) to run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="tiny-draft-"))
     e = target()
-    rng = random.Random(0)
+    rng = random.Random(a.seed)
     jobs = [D.Job(i, [rng.randrange(1, 256) for _ in range(6 + i % 9)], 0.0 if i % 4 else 0.7) for i in range(160)]
     D.generate_data(e, jobs, work / "data", {"seed": 0}, max_new_tokens=48, shard_seqs=64)
     seqs = D.load_seqs(work / "data")
-    train_s, held = D.split_holdout(seqs, 24)
+    train_s, held = D.split_holdout(seqs, 24, a.seed)
     counts = D.response_counts(train_s, 256)
     evalp = [[random.Random(1000 + i).randrange(1, 256) for _ in range(8)] for i in range(24)]
     ref, _ = generate(target(), evalp, 32)
@@ -79,15 +81,19 @@ def main() -> int:
         ("equal depth weights", {"depth_weights": [1.0, 1.0, 1.0]}),
         ("draft vocab 192 ids", {"vocab": 192}),
         ("draft vocab 128 ids", {"vocab": 128}),
+        ("KL 0.8 + CE 0.2", {"kl_weight": 0.8, "ce_weight": 0.2}),
+        ("KL 1.0, init random", {"kl_weight": 1.0, "ce_weight": 0.0, "init": "random"}),
     ]
+    if a.only:
+        configs = [configs[int(i)] for i in a.only.split(",")]
     rows = []
     for name, over in configs:
         vocab = D.select_vocab(counts, over.pop("vocab")) if "vocab" in over else None
         init = over.pop("init", "last")
-        torch.manual_seed(0)
-        stack = T.init_stack(e.model, 3, init, 0, T.hidden_rms(e.model, train_s) if init == "last" else 1.0, vocab)
+        torch.manual_seed(a.seed)
+        stack = T.init_stack(e.model, 3, init, a.seed, T.hidden_rms(e.model, train_s) if init == "last" else 1.0, vocab)
         cfg = T.TrainConfig(layers=3, steps=a.steps, epochs=1000, lr=3e-3, warmup=10, batch_tokens=1024,
-                            chunk_rows=1024, log_every_s=1e9, init=init, **over)
+                            chunk_rows=1024, log_every_s=1e9, init=init, seed=a.seed, **over)
         tr = T.Trainer(e.model, stack, train_s, cfg)
         t0 = time.perf_counter()
         res = tr.run()
@@ -107,7 +113,7 @@ def main() -> int:
         print(f"| {r['config']} | {' / '.join(f'{x:.3f}' for x in r['heldout_acc'])} | "
               f"{' / '.join(f'{x:.2f}' for x in r['heldout_kl'])} | {r['coverage_heldout']} | {r['accept_len']} | {r['exact']} |")
     if a.out:
-        Path(a.out).write_text(json.dumps({"random_draft_accept_len": rand_len, "steps": a.steps,
+        Path(a.out).write_text(json.dumps({"random_draft_accept_len": rand_len, "steps": a.steps, "seed": a.seed,
                                            "train_seqs": len(train_s), "rows": rows}, indent=1) + "\n")
     return 0
 

@@ -92,6 +92,10 @@ def test_distill_loss_gradient_matches_autograd() -> None:
     torch.testing.assert_close(got, hd.grad)
     assert int(st[2]) == int((lab >= 0).sum())
     assert int(st[3]) == int(((hd @ w.T).argmax(-1) == (ht @ w.T).argmax(-1)).sum())
+    top = torch.randint(-1, v, (n,), generator=g)  # the target's argmax over a larger vocabulary (-1: outside)
+    top[:5] = (hd @ w.T).argmax(-1)[:5]
+    _, st = T.distill_loss(hd.detach(), ht, w, lab, rw, 0.3, 0.7, chunk=8, top=top)
+    assert int(st[3]) == int(((hd @ w.T).argmax(-1) == top).sum()) >= 5
 
 
 def _jobs(n: int, seed: int = 0) -> list[D.Job]:

@@ -66,18 +66,19 @@ def _gen(p: argparse.ArgumentParser) -> None:
 def _train(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("train")
     g.add_argument("--layers", type=int, default=3)
-    g.add_argument("--epochs", type=float, default=4.0)
+    g.add_argument("--epochs", type=float, default=4.0, help="at most this many passes over the data")
     g.add_argument("--steps", type=int, default=None)
     g.add_argument("--lr", type=float, default=6e-4)
     g.add_argument("--warmup", type=int, default=50)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step (default 16384 CUDA, 2048 CPU)")
     g.add_argument("--max-len", type=int, default=2048)
-    g.add_argument("--kl-weight", type=float, default=0.5)
-    g.add_argument("--ce-weight", type=float, default=0.5)
+    g.add_argument("--kl-weight", type=float, default=1.0, help="weight of KL(target ‖ draft)")
+    g.add_argument("--ce-weight", type=float, default=0.0, help="weight of CE on greedily generated tokens")
     g.add_argument("--depth-weights", default=None, help="comma list, one per layer (default 0.8**k)")
     g.add_argument("--prompt-weight", type=float, default=0.0, help="KL weight at prompt positions")
-    g.add_argument("--init", choices=["last", "random"], default="last")
+    g.add_argument("--init", choices=["random", "last"], default="random",
+                   help="random (as EAGLE), or blocks copied from the target's last layer")
     g.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: the target's)")
     g.add_argument("--draft-vocab-coverage", type=float, default=None,
                    help="instead of a size: the smallest multiple of 1024 ids covering this share of response tokens")
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
             f(sp)
         if name == "all":
             sp.add_argument("--time-budget-s", type=float, default=None, help="for the whole run (from process start)")
+            sp.add_argument("--plan-epochs", type=float, default=3.0,
+                            help="passes over the data the budget plans for: generation stops once that many "
+                                 "would fill the training time left (training may run up to --epochs on time)")
             sp.add_argument("--gen-frac", type=float, default=0.8,
                             help="most of (budget - eval reserve) that generation may use; it stops earlier once "
                                  "the data would take all the training time left (measured rates)")
@@ -595,12 +599,12 @@ def plan_generation(a: argparse.Namespace, engine: Any, train_end: float, summar
     pad = 1.15  # length-bucketed batches pad ~5-15%
     margin = 15.0  # held-out passes, the save
     summary["plan"] = {"train_tok_s_probe": round(rate, 1), "probe_s": round(time.perf_counter() - t0, 2),
-                       "epochs": a.epochs, "pad": pad}
+                       "plan_epochs": a.plan_epochs, "pad": pad}
     log(f"plan: training runs ~{rate:.0f} padded tok/s (probe {time.perf_counter() - t0:.1f}s): generation stops "
-        f"once {a.epochs} epochs of its data would fill the training time left")
+        f"once {a.plan_epochs} epochs of its data would fill the training time left")
 
     def stop(tokens: int) -> bool:
-        return a.epochs * tokens * pad / rate >= train_end - time.perf_counter() - margin
+        return a.plan_epochs * tokens * pad / rate >= train_end - time.perf_counter() - margin
 
     return stop
 

@@ -11,10 +11,11 @@ its own final norm and the draft head (the target's head, or its rows for a redu
 `tests/test_spec_train.py` checks that this forward's hidden states and logits equal the engine's
 draft runners' on the same sequence (float32), so training and serving cannot drift apart.
 
-The loss of layer k at p is a mix of forward KL to the target's distribution at the same position
-(the target's logits at p+k+1, restricted to the draft vocabulary and renormalised) and cross-entropy
-on the data token where the response was generated greedily (the token is then the target's argmax,
-what greedy verification checks). The KL uses the full (draft) vocabulary, not a top-k: the teacher
+The loss of layer k at p is forward KL to the target's distribution at the same position (the
+target's logits at p+k+1, restricted to the draft vocabulary and renormalised), optionally mixed with
+cross-entropy on the data token where the response was generated greedily (the token is then the
+target's argmax, what greedy verification checks); the default is KL alone, which generalised
+better than hard labels or a mix in the tiny experiments (results/DRAFT_TRAINING.md). The KL uses the full (draft) vocabulary, not a top-k: the teacher
 is recomputed per batch anyway, so the full distribution costs one more head GEMM, and it is exact.
 The head GEMMs and softmaxes run in row chunks inside one autograd function (`distill_loss`) that
 recomputes the chunk's logits in backward, so no [N, V] tensor outlives a chunk (~200 MB per chunk
@@ -67,11 +68,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     batch_tokens: int = 16384  # padded tokens per optimizer step
     max_len: int = 2048  # sequences are cut to this many tokens
-    kl_weight: float = 0.5  # loss = kl_weight·KL(target ‖ draft) + ce_weight·CE(greedy data token)
-    ce_weight: float = 0.5
+    kl_weight: float = 1.0  # loss = kl_weight·KL(target ‖ draft) + ce_weight·CE(greedy data token)
+    ce_weight: float = 0.0  # hard labels generalise worse (results/DRAFT_TRAINING.md)
     depth_weights: list[float] = field(default_factory=list)  # per layer; default 0.8**k
     prompt_weight: float = 0.0  # weight of KL at prompt positions (the target's distribution exists there too)
-    init: str = "last"  # "last": blocks start as the target's last layer; "random"
+    init: str = "random"  # "random" (as EAGLE); "last": blocks start as the target's last layer
     amp: bool = True  # bf16 autocast where CUDA is used
     chunk_rows: int = 4096  # rows per chunk of the head/softmax in the loss
     seed: int = 0
@@ -192,11 +193,12 @@ class _Distill(torch.autograd.Function):
     """Σ_rows row_w·(kl_w·KL(p_t ‖ q) + ce_w·CE(q, label)) over chunks of rows, logits recomputed in backward.
 
     d/dlogits of the row's term = row_w·(kl_w·(q - p_t) + ce_w·[label ≥ 0]·(q - onehot(label))).
-    Also returns (unweighted) statistics: Σ KL, Σ CE, #CE rows, #rows whose argmax equals the target's."""
+    Also returns (unweighted) statistics: Σ KL, Σ CE, #CE rows, #rows whose argmax equals the target's
+    (`top`: the target's argmax over its whole vocabulary, as a draft index or -1; None: over `w`'s rows)."""
 
     @staticmethod
     def forward(ctx: Any, hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: torch.Tensor, row_w: torch.Tensor,
-                kl_w: float, ce_w: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                kl_w: float, ce_w: float, chunk: int, top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         f = torch.promote_types(w.dtype, torch.float32)  # softmax in float32 (float64 stays, for tests)
         loss = torch.zeros((), dtype=f, device=hd.device)
         stats = torch.zeros(4, dtype=f, device=hd.device)
@@ -210,7 +212,8 @@ class _Distill(torch.autograd.Function):
             has = lab >= 0
             ce = -lq.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1) * has
             loss += (row_w[s:e] * (kl_w * kl + ce_w * ce)).sum()
-            stats += torch.stack([kl.sum(), ce.sum(), has.sum().to(f), (ld.argmax(-1) == lt.argmax(-1)).sum().to(f)])
+            want = lt.argmax(-1) if top is None else top[s:e]
+            stats += torch.stack([kl.sum(), ce.sum(), has.sum().to(f), (ld.argmax(-1) == want).sum().to(f)])
         ctx.save_for_backward(hd, ht, w, label, row_w)
         ctx.kl_w, ctx.ce_w, ctx.chunk = kl_w, ce_w, chunk
         ctx.mark_non_differentiable(stats)
@@ -231,15 +234,18 @@ class _Distill(torch.autograd.Function):
             gl.scatter_add_(1, lab.clamp(min=0).unsqueeze(1), -ctx.ce_w * has)
             gl *= (row_w[s:e].to(f) * g).unsqueeze(1)
             gh[s:e] = F.linear(gl.to(w.dtype), w.t()).to(hd.dtype)
-        return gh, None, None, None, None, None, None, None
+        return gh, None, None, None, None, None, None, None, None
 
 
 def distill_loss(hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: torch.Tensor, row_w: torch.Tensor,
-                 kl_w: float, ce_w: float, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                 kl_w: float, ce_w: float, chunk: int = 4096,
+                 top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hd: draft rows after the draft's final norm [N, H]; ht: target rows after the target's final norm
     [N, H]; w: the draft head [Vd, H]; label: draft-vocabulary index of the data token or -1 (no CE);
-    row_w: [N] weights. Returns (weighted loss, stats [Σ KL, Σ CE, #CE rows, #argmax agreements])."""
-    return _Distill.apply(hd, ht.detach(), w.detach(), label, row_w.detach(), kl_w, ce_w, chunk)
+    row_w: [N] weights; top: the target's full-vocabulary argmax as a draft index or -1 (with a reduced
+    vocabulary, so that agreement counts a target token outside it as a miss). Returns (weighted loss,
+    stats [Σ KL, Σ CE, #CE rows, #argmax agreements])."""
+    return _Distill.apply(hd, ht.detach(), w.detach(), label, row_w.detach(), kl_w, ce_w, chunk, top)
 
 
 # --- the draft ---------------------------------------------------------------------------------------------
@@ -351,6 +357,12 @@ class Trainer:
         with amp_ctx(m, cfg.amp):
             ht = target_hidden(m, b.ids, cos, sin)
             ht_n = rms(ht, m.norm.weight, m.norm.eps).flatten(0, 1)
+            top_all = None
+            if self.stack.vocab_ids is not None:  # the target's own argmax, over its whole vocabulary
+                with torch.no_grad():
+                    top_all = torch.cat([F.linear(ht_n[i : i + cfg.chunk_rows].to(m.lm_head.weight.dtype),
+                                                  m.lm_head.weight).argmax(-1)
+                                         for i in range(0, ht_n.shape[0], cfg.chunk_rows)])
             h = ht
             total = torch.zeros((), device=self.device)
             stats = []
@@ -360,7 +372,9 @@ class Trainer:
                     rows, trow, lab, rw = self.layer_rows(b, k)
                     n = max(int(rows.numel()), 1)
                     hd = rms(h.flatten(0, 1)[rows], layer.norm.weight, layer.norm.eps)
-                    loss, st = distill_loss(hd, ht_n[trow], w, lab, rw / n, cfg.kl_weight, cfg.ce_weight, cfg.chunk_rows)
+                    top = None if top_all is None else self.t2d[top_all[trow]]
+                    loss, st = distill_loss(hd, ht_n[trow], w, lab, rw / n, cfg.kl_weight, cfg.ce_weight, cfg.chunk_rows,
+                                            top)
                     total = total + self.depth_w[k] * loss
                     stats.append(torch.cat([st, torch.tensor([float(rows.numel())], device=st.device)]))
         return total / sum(self.depth_w), torch.stack(stats)
