@@ -73,23 +73,25 @@ def main() -> int:
     evalp = [[random.Random(1000 + i).randrange(1, 256) for _ in range(8)] for i in range(24)]
     ref, _ = generate(target(), evalp, 32)
     _, rand_len = generate(target("random:3"), evalp, 32)
-    configs: list[tuple[str, dict[str, Any]]] = [
-        ("KL 0.5 + CE 0.5, init last", {}),
-        ("KL 1.0 (soft labels only)", {"kl_weight": 1.0, "ce_weight": 0.0}),
-        ("CE 1.0 (hard labels only)", {"kl_weight": 0.0, "ce_weight": 1.0}),
-        ("init random", {"init": "random"}),
-        ("equal depth weights", {"depth_weights": [1.0, 1.0, 1.0]}),
-        ("draft vocab 192 ids", {"vocab": 192}),
-        ("draft vocab 128 ids", {"vocab": 128}),
-        ("KL 0.8 + CE 0.2", {"kl_weight": 0.8, "ce_weight": 0.2}),
-        ("KL 1.0, init random", {"kl_weight": 1.0, "ce_weight": 0.0, "init": "random"}),
+    last, rand = {"init": "last"}, {"init": "random"}
+    kl, mix, ce = {"kl_weight": 1.0, "ce_weight": 0.0}, {"kl_weight": 0.5, "ce_weight": 0.5}, {"kl_weight": 0.0, "ce_weight": 1.0}
+    configs: list[tuple[str, dict[str, Any]]] = [  # every setting explicit: defaults may change
+        ("KL 0.5 + CE 0.5, init last", mix | last),
+        ("KL 1.0, init last", kl | last),
+        ("CE 1.0, init last", ce | last),
+        ("KL 0.8 + CE 0.2, init last", {"kl_weight": 0.8, "ce_weight": 0.2} | last),
+        ("KL 0.5 + CE 0.5, init random", mix | rand),
+        ("KL 1.0, init random (default)", kl | rand),
+        ("default, equal depth weights", kl | rand | {"depth_weights": [1.0, 1.0, 1.0]}),
+        ("default, draft vocab 192 ids", kl | rand | {"vocab": 192}),
+        ("default, draft vocab 128 ids", kl | rand | {"vocab": 128}),
     ]
     if a.only:
         configs = [configs[int(i)] for i in a.only.split(",")]
     rows = []
     for name, over in configs:
         vocab = D.select_vocab(counts, over.pop("vocab")) if "vocab" in over else None
-        init = over.pop("init", "last")
+        init = over.pop("init")
         torch.manual_seed(a.seed)
         stack = T.init_stack(e.model, 3, init, a.seed, T.hidden_rms(e.model, train_s) if init == "last" else 1.0, vocab)
         cfg = T.TrainConfig(layers=3, steps=a.steps, epochs=1000, lr=3e-3, warmup=10, batch_tokens=1024,
