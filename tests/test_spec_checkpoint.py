@@ -158,3 +158,21 @@ def test_default_draft_of_the_model(tmp_path: Path) -> None:
     with pytest.raises(EngineInputError, match=r"default draft of t .*drafts/no-such-draft.*--draft none"):
         Engine(cfg)
     assert type(Engine(cfg, draft="none").worker) is TargetWorker
+
+
+def test_reduced_vocabulary_sampling_keeps_the_target_distribution() -> None:
+    """Rejection sampling with a draft that proposes only half the vocabulary (q scattered back, zero
+    elsewhere): the samples still follow the target's distribution (the chi-square check of
+    test_spec_sampling), with both accepted and rejected drafts."""
+    from tests.test_spec_sampling import CASES, PROMPT, N, V, _chi2_pvalue, _engine, _expected
+
+    sp = CASES[1]
+    e = _engine("random:2:4")
+    e.draft_stack.set_vocab(torch.tensor([0, 2, 3, 5, 7, 8, 11]))
+    out = e.generate([PROMPT] * N, [sp.model_copy(update={"seed": 1000 + i, "max_new_tokens": 3}) for i in range(N)])
+    counts = torch.zeros(V, V, dtype=torch.int64)
+    for c in out:
+        counts[c.token_ids[1], c.token_ids[2]] += 1
+    st = e.worker.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert _chi2_pvalue(counts, _expected(sp)) > 1e-3

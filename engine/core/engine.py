@@ -91,7 +91,7 @@ class Engine:
                 and not Path(draft).is_dir():
             raise EngineInputError(f"the default draft of {cfg.model.name} ({cfg.model.default_draft}) is not at {draft}: "
                                    "train it (`mleagle train-draft`, see the README), or pass --draft none")
-        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft": draft})})
+        cfg = cfg.model_copy(update={"engine": EngineConfig.model_validate({**cfg.engine.model_dump(), "draft": draft})})
         self.cfg = cfg
         e = cfg.engine
         if e.device == "cuda" and not torch.cuda.is_available():
