@@ -251,3 +251,24 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     rc = cli.main(["train-draft", "train", "--out", str(tmp_path / "again"), "--data", str(exp / "data.npz"),
                    "--steps", "3", *common])
     assert rc == 0 and json.loads((tmp_path / "again" / "train.json").read_text())["result"]["steps"] == 3
+
+
+def test_generation_cut_by_its_budget_keeps_what_was_made(tmp_path: Path) -> None:
+    """Stopped early (here by the token cap; the deadline takes the same path) the requests in flight are
+    aborted and kept as cut sequences (a prefix of the target's own text, marked unfinished, never
+    generated again); the engine is left with nothing."""
+    import numpy as np
+
+    e = tiny_engine()
+    jobs = [D.Job(i, j.ids, 0.0) for i, j in enumerate(_jobs(8))]
+    run1 = D.generate_data(e, jobs, tmp_path, {}, max_new_tokens=200, max_gen_tokens=400)
+    assert run1["stop"] == "token cap" and 0 < run1["seqs"] <= 8
+    assert not e.scheduler.reqs and e.allocator.num_free_tokens == e.allocator.capacity_tokens
+    with np.load(D.shard_files(tmp_path)[0]) as z:
+        assert not z["finished"].any()
+    ref = {j.idx: r for j, r in zip(jobs, run(tiny_engine(), [j.ids for j in jobs], greedy(200)))}
+    for s in D.load_seqs(tmp_path):
+        j = next(j for j in jobs if list(s.ids[: s.n_prompt]) == j.ids)
+        out = list(s.ids[s.n_prompt :])
+        assert 16 <= len(out) < 200 and out == ref[j.idx][: len(out)]
+    assert D.generate_data(e, jobs, tmp_path, {}, max_new_tokens=200)["seqs"] == 8 - run1["seqs"]

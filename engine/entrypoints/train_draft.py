@@ -346,10 +346,9 @@ def run_acceptance(engine: Any, prompts: list[list[int]], temperature: float, ma
                     left.discard(o.rid)
                     if o.spec is not None:
                         spec[o.rid] = o.spec
-    for r in left:
-        engine.abort(r)
-    while any(r in engine.scheduler.reqs for r in left):
-        engine.step()
+    from mleagle.engine.spec.train_data import drain
+
+    drain(engine, list(left))
     dt = time.perf_counter() - t0
     done = [r for r in rids if r not in left]
     n_tok = sum(len(toks[r]) for r in done)

@@ -308,13 +308,11 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
                     f"{len(pending) - nxt} waiting")
     finally:
         # Stopped early (budget, cap, error): keep what the requests in flight generated, as cut sequences.
-        for rid, (j, toks) in inflight.items():
+        for j, toks in inflight.values():
             if len(toks) >= min_cut_tokens:
                 buf.append(Record(j.idx, j.ids, toks, j.temperature, False, j.source))
                 new_seqs += 1
-            engine.abort(rid)
-        while any(r in engine.scheduler.reqs for r in inflight):
-            engine.step()
+        drain(engine, list(inflight))
         flush()
     dt = time.perf_counter() - t0
     run = {"seqs": new_seqs, "gen_tokens": new_tokens, "time_s": round(dt, 2),
@@ -326,6 +324,17 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
     log(f"generate: {new_seqs} sequences, {new_tokens} tokens in {dt:.1f}s ({run['tok_s']} tok/s), stop: {stop_reason}; "
         f"folder total {man['totals']['seqs']} sequences, {man['totals']['gen_tokens']} generated tokens")
     return run
+
+
+def drain(engine: Any, rids: Sequence[str]) -> None:
+    """Abort `rids` and step until the engine holds none of them, nor a step launched past the last
+    finish (an overlapped schedule keeps one in flight): the engine is left clean for its next use."""
+    for r in rids:
+        engine.abort(r)
+    while any(r in engine.scheduler.reqs for r in rids):
+        engine.step()
+    if not engine.scheduler.running and getattr(engine.scheduler, "inflight", None) is not None:
+        engine.step()
 
 
 def totals(man: dict[str, Any]) -> dict[str, Any]:
