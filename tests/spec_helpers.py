@@ -44,6 +44,8 @@ def chaos(e: Engine, qk: float = 8.0, head: float = 25.0) -> None:
             n = (a.hq + a.hk) * a.d
             a.qkv_proj.weight[:n] *= qk
         e.model.lm_head.weight *= head
+    if getattr(e, "draft_stack", None) is not None:
+        e.draft_stack.head.refresh()  # a reduced draft vocabulary keeps a copy of the head rows
 
 
 def tiny_engine(draft: str = "none", *, cfg: MleagleConfig | None = None, chaotic: bool = True,

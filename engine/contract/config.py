@@ -82,6 +82,8 @@ class ModelSource(BaseModel):
     dummy_seed: int = 0
     chat_template: str | None = None  # jinja2 text overriding the model's own
     tokenizer: str | None = None  # where the tokenizer comes from when not the model file itself
+    # The draft the engine loads when `[engine] draft` / `--draft` is not given: a folder (a relative
+    # path is relative to the package root, e.g. "drafts/smollm2-135m-mtp3"), random:S, or none.
     default_draft: str = "none"
 
     def resolved_path(self) -> str | None:
@@ -105,7 +107,7 @@ class EngineConfig(BaseModel):
     max_context_len: int | None = Field(None, ge=16)  # default: the model's max_position_embeddings
     chunked_prefill_size: int = Field(512, ge=0)  # per-step prefill token budget; 0 = no chunking
     max_prefill_tokens: int = Field(4096, ge=16)  # cap on one EXTEND forward's tokens when not chunking
-    draft: str = "none"  # PATH | random:S[:seed] | none
+    draft: str | None = None  # PATH | random:S[:seed] | none; None: the model's `default_draft`
     spec_steps: int | None = Field(None, ge=1, le=MAX_SPEC_STEPS)
     # "stale": draft layers keep boundary KV computed from drafts (the serving policy);
     # "recompute": every draft layer re-runs over the whole sequence each iteration (reference, slow).
@@ -228,6 +230,18 @@ def data_dir(override: str | os.PathLike[str] | None = None) -> Path:
     """Where benchmark and training prompt sets live: the argument, else `$MLEAGLE_DATA_DIR`, else the
     `shared/data` folder beside the repository (`../shared/data` from its root)."""
     return Path(override or os.environ.get("MLEAGLE_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
+
+
+def resolve_draft(cfg: MleagleConfig) -> tuple[str, bool]:
+    """(the draft spec the engine runs, whether it is the model's default). An explicit `draft` is used
+    as given (a relative path is relative to the working directory); the model's `default_draft`, when
+    a relative path, is relative to the package root (where `drafts/` ships)."""
+    if cfg.engine.draft is not None:
+        return cfg.engine.draft, False
+    d = cfg.model.default_draft
+    if d in ("", "none") or d.startswith("random:") or Path(d).is_absolute():
+        return d, True
+    return str(REPO_ROOT / d), True
 
 
 def bundled_configs() -> list[str]:

@@ -16,12 +16,19 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mleagle.engine.attention import create_backend, resolve_backend
-from mleagle.engine.contract.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
+from mleagle.engine.contract.config import (
+    MAX_SPEC_STEPS,
+    EngineConfig,
+    MleagleConfig,
+    load_config,
+    resolve_draft,
+)
 from mleagle.engine.contract.detokenizer import StopChecker
 from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
 from mleagle.engine.contract.sampling_params import SamplingParams
@@ -89,6 +96,12 @@ class Engine:
         if engine_overrides:  # validated like a config file's [engine] table
             engine = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine_overrides})
             cfg = cfg.model_copy(update={"engine": engine})
+        draft, self.draft_is_default = resolve_draft(cfg)
+        if self.draft_is_default and draft not in ("", "none") and not draft.startswith("random:") \
+                and not Path(draft).is_dir():
+            raise EngineInputError(f"the default draft of {cfg.model.name} ({cfg.model.default_draft}) is not at {draft}: "
+                                   "train it (`mleagle train-draft`, see the README), or pass --draft none")
+        cfg = cfg.model_copy(update={"engine": EngineConfig.model_validate({**cfg.engine.model_dump(), "draft": draft})})
         e = cfg.engine
         if e.device == "cuda" and not torch.cuda.is_available():
             raise EngineInputError("device 'cuda' requested but CUDA is not available")

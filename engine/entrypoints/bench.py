@@ -356,8 +356,9 @@ def run(a: argparse.Namespace) -> int:
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
     target = None
-    if a.draft not in (None, "", "none"):
-        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")})
+    report["draft"] = a.draft if a.draft is not None else cfg.model.default_draft  # as given (no machine path)
+    if engine.cfg.engine.draft not in ("", "none"):
+        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")}, draft="none")
     report["engine_load_s"] = round(engine.load_time_s, 3)
     report["weights"] = weight_report(engine)
     kv, kv_ptrs = kv_report(engine)

@@ -180,19 +180,22 @@ class SpecWorker(TargetWorker):
     def _draft_tokens(self, rpi: torch.Tensor, logits: torch.Tensor, k: int, flags: RowFlags,
                       rows: SamplingRows | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
         """Draft k+1 per request: argmax for greedy requests, a draw from the processed draft
-        distribution q otherwise (q kept in the slot state for rejection sampling). Written to the slot
-        state's drafts; returned for the next step's id window."""
+        distribution q otherwise (q kept in the slot state for rejection sampling). The logits are over
+        the draft's vocabulary (its own, reduced one when it has one): `head` maps indices to target ids
+        and q back to the target's vocabulary. Written to the slot state's drafts; returned for the next
+        step's id window."""
         st = self.state
+        head = self.drafts[k].model.head
         if flags.all_greedy:
-            d = logits.argmax(-1)
+            d = head.to_target_ids(logits.argmax(-1))
         else:
             if rows is None:
                 rows = st.rows(rpi, 1, flags)
             rk = dataclasses.replace(rows, pos=rows.pos + k)
             q = probs_from_logits(logits.float(), rk)
-            d = torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT))
+            d = head.to_target_ids(torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT)))
             assert st.draft_q is not None
-            st.draft_q[rpi, k] = q
+            st.draft_q[rpi, k] = head.scatter_probs(q)
         st.drafts[rpi, k] = d if live is None else torch.where(live, d, st.drafts[rpi, k])
         return d
 
@@ -398,7 +401,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
     own one-layer KV pool, request-to-token map and backend, registered with the memory manager."""
     from mleagle.engine.contract.config import MAX_SPEC_STEPS
     from mleagle.engine.core.engine import EngineInputError, build_runner
-    from mleagle.engine.spec.checkpoint import load_layer, parse_spec, random_layer_weights, read_draft
+    from mleagle.engine.spec.checkpoint import load_draft, load_layer, parse_spec, random_layer_weights
     from mleagle.engine.spec.draft_model import DraftStack
 
     e = engine  # an Engine; typed loosely to keep the import graph one-way
@@ -408,12 +411,14 @@ def build_spec_worker(engine: object) -> SpecWorker:
     except ValueError as err:
         raise EngineInputError(str(err)) from err
     arch = e.arch  # type: ignore[attr-defined]
+    vocab_ids = None
     if kind == "random":
         layers = [random_layer_weights(arch, seed, k) for k in range(s or 0)]
         darch = arch
     else:
         try:
-            darch, chain, layers = read_draft(ecfg.draft, arch)
+            ck = load_draft(ecfg.draft, arch)
+            darch, chain, layers, vocab_ids = ck.arch, ck.chain, ck.layers, ck.vocab_ids
         except (FileNotFoundError, ValueError) as err:
             raise EngineInputError(str(err)) from err
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:
@@ -423,7 +428,11 @@ def build_spec_worker(engine: object) -> SpecWorker:
     if steps > len(layers):
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     model = e.model  # type: ignore[attr-defined]
-    stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope)  # type: ignore[attr-defined]
+    try:
+        stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
+                           vocab_ids=vocab_ids)
+    except ValueError as err:
+        raise EngineInputError(f"draft {ecfg.draft}: {err}") from err
     for m, w in zip(stack.layers, layers):
         load_layer(m, {k: v.to(e.dtype) for k, v in w.items()})  # type: ignore[attr-defined]
     stack.to(e.device).eval()  # type: ignore[attr-defined]
