@@ -146,7 +146,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        if self.boundary_kv == "recompute" and self.enable_prefix_cache and self.draft not in ("none", ""):
+        # draft None is resolved (to the model's default) and validated again by the Engine.
+        if self.boundary_kv == "recompute" and self.enable_prefix_cache and self.draft not in (None, "none", ""):
             # Recompute re-runs every draft layer over the whole sequence from the target's hidden
             # states, and a cache hit never computes those for its cached prefix.
             raise ValueError("boundary_kv='recompute' needs the prefix cache off (enable_prefix_cache=false, "
