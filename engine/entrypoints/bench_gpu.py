@@ -220,6 +220,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     plen = max(len(p) for p in prompts)
     ref_tokens: dict[int, list[list[int]]] = {}
 
+    def save() -> None:  # after every row: a run cut short still leaves what it measured
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
     def log(row: dict[str, Any]) -> None:
         tag = " [simulated]" if row.get("simulated") else ""
         extra = f" accept_len {row['spec']['accept_len']}" if "spec" in row else ""
@@ -232,6 +236,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         elif row["bs"] in ref_tokens and not row.get("simulated"):
             row["equal_to_target_graphs"] = toks == ref_tokens[row["bs"]]
         res["rows"].append(row)
+        save()
         log(row)
 
     def sweep(engine: Any, label: str, simulated: bool = False) -> None:
@@ -294,6 +299,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
     if a.big:
         res["big"] = run_big(a)
+        save()
     res["finished"] = time.time()
     return res
 
