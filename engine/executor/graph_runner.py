@@ -39,9 +39,12 @@ class MetaMismatch(AssertionError):
     """A replay's row metadata differs from what its graph was captured with."""
 
 
-# Fault injection for the metadata tests: replay fills draft-extend logprob counts with [bs] (the bug
-# this project exists to never have). Never set outside tests.
-FAULT_DRAFT_LOGPROB_BS = False
+# Fault injection for the metadata tests: draft-extend logprob counts filled with [bs] where the forward
+# makes bs·W rows (the bug this project exists to never have). True: at replay only (the parity check
+# must catch it); "capture": at capture and replay alike (as SGLang's capture did), so parity holds and
+# the wrong counts drive the tensor-parallel gathers (the logits test must catch it). Never set outside
+# tests.
+FAULT_DRAFT_LOGPROB_BS: bool | str = False
 
 
 def default_buckets(max_bs: int) -> list[int]:
@@ -141,8 +144,9 @@ class GraphRunner:
     def meta_of(self, sb: ForwardBatch) -> RowMeta:
         """The metadata a padded static batch produces (at capture: all pad rows; at replay: live + pad)."""
         m = sb.meta(self.tp_size, self.layout)
-        if FAULT_DRAFT_LOGPROB_BS and self.mode is ForwardMode.DRAFT_EXTEND and sb.rids:
-            m = dataclasses.replace(m, global_num_tokens_for_logprob=(len(sb.rids),) * self.tp_size)
+        fault = FAULT_DRAFT_LOGPROB_BS
+        if fault and self.mode is ForwardMode.DRAFT_EXTEND and (sb.rids or fault == "capture"):
+            m = dataclasses.replace(m, global_num_tokens_for_logprob=(sb.bs,) * self.tp_size)
         return m
 
     # --- capture and replay --------------------------------------------------------------------
@@ -157,6 +161,7 @@ class GraphRunner:
         for pbs in sorted(self.buckets, reverse=True):
             sb = self.static_batch(None, pbs)
             meta = self.meta_of(sb)
+            sb = dataclasses.replace(sb, row_meta=meta)  # the counts the captured gathers are sized by
             if int(sb.logit_rows.shape[0]) != meta.logit_rows:
                 raise MetaMismatch(f"{self.runner.name}: buffer of {sb.logit_rows.shape[0]} logit rows, rule {meta.logit_rows}")
             if not cuda:
@@ -201,6 +206,7 @@ class GraphRunner:
         meta = self.meta_of(sb)
         if meta != cap.meta:
             raise MetaMismatch(f"{self.runner.name} {self.mode.value} bs {batch.bs}→{pbs}: replay {meta} != capture {cap.meta}")
+        sb = dataclasses.replace(sb, row_meta=meta)
         if cap.graph is None:  # emulated: the same buffers and padding, an eager forward
             out = self.runner.forward_eager(sb, observe=False)
         else:

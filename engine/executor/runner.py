@@ -96,9 +96,16 @@ class ModelRunner:
         if batch.binding is not self.binding:
             raise BindingError(f"runner {self.name} refuses a batch bound to "
                                f"{batch.binding.name if batch.binding else 'nothing'}")
+        tp_size = getattr(self.model, "tp_size", 1)
+        if tp_size > 1 and batch.row_meta is None:
+            # Every tensor-parallel gather of this forward is sized by the one row-count rule.
+            batch = dataclasses.replace(batch, row_meta=batch.meta(tp_size, self.model.layout))  # type: ignore[arg-type]
         self.binding.backend.plan(batch)
         hidden = self.model(batch)
-        logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
+        if hasattr(self.model, "logits"):
+            logits = self.model.logits(hidden, batch).float()
+        else:
+            logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
         rows = batch.expected_logit_rows
         if logits.shape[0] != rows:
             raise AssertionError(f"{self.name}: {logits.shape[0]} logit rows, the rule says {rows}")
