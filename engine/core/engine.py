@@ -6,6 +6,11 @@ and on CUDA captures each runner's graphs (reporting what, how much memory and h
 `add_request` / `abort` / `step` are the loop the engine process drives; `generate` and `stream` are
 the offline API on top of them. Bad input raises `EngineInputError` before anything is allocated,
 so it never harms other requests.
+
+With `tp_size > 1` this process is rank 0 of a tensor-parallel engine (`engine/service/ranks.py` starts
+the other ranks and keeps them alive): the model, its pools and the draft layers are sharded, and every
+`add_request` / `abort` is also queued for the other ranks, which receive the queue before each `step`
+and run the same schedule (`apply_control`). `close()` stops them.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.contract.tokenizer import Tokenizer
 from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler
+from mleagle.engine.distributed import LOCAL, TPGroup
 from mleagle.engine.executor.forward_batch import ForwardMode
 from mleagle.engine.executor.graph_runner import GraphRunner, default_buckets
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.kernels import set_fused_layers
+from mleagle.engine.layers.linear import kv_heads_per_rank
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
@@ -70,14 +77,36 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def rank_heads(model: torch.nn.Module, arch: Any) -> tuple[int, int]:
+    """(query heads, KV heads) of this rank's attention in `model` (a target or one draft layer)."""
+    block = getattr(model, "block", None)
+    attn = block.self_attn if block is not None else model.layers[0].self_attn  # type: ignore[index]
+    return int(attn.hq), int(attn.hk)
+
+
+def tp_shape_errors(arch: Any, n: int, what: str) -> list[str]:
+    """Why `arch` cannot be sharded over n ranks (empty: it can). KV heads may be fewer than the ranks
+    (then replicated), as long as one divides the other; the vocabulary is padded, never checked."""
+    errs = []
+    if arch.num_attention_heads % n:
+        errs.append(f"{what}num_attention_heads={arch.num_attention_heads} is not divisible by tp_size={n}")
+    try:
+        kv_heads_per_rank(arch.num_key_value_heads, n)
+    except ValueError:
+        errs.append(f"{what}num_key_value_heads={arch.num_key_value_heads} neither divides nor is divisible by "
+                    f"tp_size={n}")
+    if arch.intermediate_size % n:
+        errs.append(f"{what}intermediate_size={arch.intermediate_size} is not divisible by tp_size={n}")
+    return errs
+
+
 def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: int, arch: Any,
                  ecfg: EngineConfig, max_reqs: int, max_context: int, dtype: torch.dtype) -> ModelRunner:
-    """A runner with its own KV pool, request-to-token map and attention backend."""
-    pool = KVPool(name, num_layers, num_slots, arch.num_key_value_heads, arch.head_dim, dtype, ecfg.device,
-                  ecfg.page_size)
+    """A runner with its own KV pool, request-to-token map and attention backend, the pool holding this
+    rank's KV heads (all of them at TP size 1)."""
+    hq, hk = rank_heads(model, arch)
+    pool = KVPool(name, num_layers, num_slots, hk, arch.head_dim, dtype, ecfg.device, ecfg.page_size)
     r2t = ReqToTokenPool(name, max_reqs, max_context, ecfg.device)
-    # Query heads per KV head times the pool's KV heads: this rank's query heads under any sharding.
-    hq = arch.num_attention_heads // arch.num_key_value_heads * pool.k[0].shape[1]
     backend = create_backend(ecfg.attention_backend, pool, r2t, hq)
     return ModelRunner(name, model, pool, r2t, backend)
 
@@ -112,17 +141,34 @@ class Engine:
         # Dummy weights are generated on the device; real ones load on the CPU (dequantised, cached).
         loaded = load_model(cfg.model, self.dtype, self.device if cfg.model.load_format == "dummy" else "cpu")
         self.arch = loaded.arch
+        self.ranks: Any = None  # the tensor-parallel runtime (engine/service/ranks.py), tp_size > 1
+        self.tp: TPGroup = LOCAL
+        self._outbox: list[tuple[Any, ...]] = []  # control messages for the other ranks, sent before a step
+        self._digest = 0
+        if e.tp_size > 1:
+            errs = tp_shape_errors(self.arch, e.tp_size, "")
+            if errs:
+                raise EngineInputError(f"model {cfg.model.name} cannot run with tensor parallelism: " + "; ".join(errs))
+            from mleagle.engine.service import ranks
+
+            try:
+                self.ranks = ranks.attach(cfg)
+            except (ValueError, ranks.RankError) as err:
+                raise EngineInputError(str(err)) from err
+            self.tp = self.ranks.tp
         self.tokenizer: Tokenizer | None = Tokenizer.from_source(cfg.model)
         self.max_context_len = min(e.max_context_len or self.arch.max_position_embeddings,
                                    self.arch.max_position_embeddings)
         with torch.device(self.device):  # parameters allocated where they run (an 8B shape never sits on the host)
-            model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN)
+            model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN,
+                                     tp=self.tp, layout=e.tp_layout)
         model.load_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
         self.load_time_s = time.perf_counter() - t0
 
-        slot_bytes = KVPool.slot_bytes(self.arch.num_hidden_layers, self.arch.num_key_value_heads,
+        # Per rank: this rank's KV heads (a replicated head where there are fewer heads than ranks).
+        slot_bytes = KVPool.slot_bytes(self.arch.num_hidden_layers, rank_heads(self.model, self.arch)[1],
                                        self.arch.head_dim or 0, self.dtype)
         num_slots = e.max_total_tokens or int(e.kv_memory_mb * 2**20 // slot_bytes)
         num_slots = max(num_slots // e.page_size, 2) * e.page_size
@@ -180,7 +226,8 @@ class Engine:
             mode = ForwardMode.DRAFT_EXTEND if r in spec else ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
             g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
                             hidden_size=self.arch.hidden_size, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
-                            emulate=not cuda, pool=pool)
+                            emulate=not cuda, pool=pool, tp_size=self.tp.size,
+                            layout=getattr(r.model, "layout", "all_reduce"))
             g.capture()
             r.graphs = g
             lines.append(f"{r.name}: {mode.value} W={g.width} buckets {g.buckets[0]}..{g.buckets[-1]} "
@@ -216,21 +263,53 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise EngineInputError("stop strings need a tokenizer; this model has none")
         seed = params.seed if params.seed is not None else mix(self.cfg.engine.seed, next(self._seeds))
+        self._add(rid, ids, params, seed)
+
+    def _add(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> None:
         req = Req(rid, ids, params, seed)
         if params.stop and self.tokenizer is not None:
             req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)
         self.scheduler.add(req)
-        self.telemetry.prompt_total += n
-        self.telemetry.on_add(rid, n)
+        self.telemetry.prompt_total += len(ids)
+        self.telemetry.on_add(rid, len(ids))
+        if self.ranks is not None and self.ranks.rank == 0:
+            self._outbox.append(("add", rid, ids, params, seed))
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
+        if self.ranks is not None and self.ranks.rank == 0:
+            self._outbox.append(("abort", rid))
+
+    def apply_control(self, msg: tuple[Any, ...]) -> None:
+        """A follower rank: apply one of rank 0's control messages (validated there, seed resolved)."""
+        if msg[0] == "add":
+            _, rid, ids, params, seed = msg
+            self._add(rid, ids, params, seed)
+        elif msg[0] == "abort":
+            self.scheduler.abort(msg[1])
+        else:
+            raise ValueError(f"unknown control message {msg[0]!r}")
 
     def step(self) -> list[RequestOutput]:
+        if self.ranks is not None and self.ranks.rank == 0:
+            # Every rank applies the same messages, then runs the same step (engine/service/ranks.py).
+            from mleagle.engine.service.ranks import Control
+
+            self.ranks.send(Control(self._outbox, step=True, digest=self._digest))
+            self._outbox = []
         t0 = time.perf_counter()
         outs = self.scheduler.step()
         self.telemetry.on_step(outs, time.perf_counter() - t0)
+        if self.ranks is not None:
+            from mleagle.engine.service.ranks import outputs_digest
+
+            self._digest = outputs_digest(outs)
         return outs
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; a no-op at TP size 1 and on followers)."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            self.ranks.stop_engine()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

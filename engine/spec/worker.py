@@ -368,7 +368,17 @@ def build_spec_worker(engine: object) -> SpecWorker:
     if steps > len(layers):
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     model = e.model  # type: ignore[attr-defined]
-    stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope)  # type: ignore[attr-defined]
+    tp_size = model.tp.size
+    replicate = tp_size > 1 and ecfg.draft_tp == "replicate"
+    if tp_size > 1 and not replicate:
+        from mleagle.engine.core.engine import tp_shape_errors
+
+        errs = tp_shape_errors(darch, tp_size, "draft ")
+        if errs:
+            raise EngineInputError(f"draft {ecfg.draft} cannot be sharded over tp_size={tp_size}: {'; '.join(errs)}; "
+                                   'set draft_tp = "replicate" (--draft-tp replicate) to run it whole on every rank')
+    stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
+                       layout=model.layout, replicate=replicate)
     for m, w in zip(stack.layers, layers):
         load_layer(m, {k: v.to(e.dtype) for k, v in w.items()})  # type: ignore[attr-defined]
     stack.to(e.device).eval()  # type: ignore[attr-defined]
