@@ -1,0 +1,232 @@
+"""The tensor-parallel checks that run inside the ranks: `python -m tests.tp_spmd RANK WORLD PORT OUT`.
+
+`tests/test_tp.py` starts WORLD processes of this module, joined by gloo over loopback (as torchrun
+would, so the engine adopts the group), and asserts on the JSON each rank writes to OUT/rank{R}.json.
+Every rank runs the same calls in the same order (the collectives inside the forwards pair up); rank 0
+also builds the TP=1 reference engines and drives generation, while the other ranks follow its schedule
+through the engine's control channel (`engine/service/ranks.py`), exactly as in serving.
+
+Checks (one result key each): the logits of every forward of a speculative run (prefill, verify and
+every draft-extend step, target and draft runners) equal TP=1's in both layouts, with a replicated KV
+head and with replicated draft layers; greedy speculative output equals TP=1 target-only output, eagerly
+and through the emulated graph runners, and every pool of every rank is free afterwards; the seed
+regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
+(padded, split over the ranks), its gathered logits equal eager, and with `[bs]` fault-injected at
+capture the gathered logits at the selected rows come out wrong (injected at replay only, the parity
+check refuses the replay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.executor import graph_runner as gr
+from mleagle.engine.executor.forward_batch import ForwardMode
+from mleagle.engine.executor.graph_runner import GraphRunner, MetaMismatch
+from mleagle.engine.service.ranks import Control, follow
+from tests.spec_helpers import all_free, chaos, tiny_cfg
+
+PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8]]
+LENS = [14, 6, 17, 1, 11]
+LAYOUTS = ("all_reduce", "scattered")
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def engine(draft: str, kv: int = 2, **over: Any) -> Engine:
+    e = Engine(tiny_cfg(kv=kv), draft=draft, max_running_requests=12, **over)
+    chaos(e)
+    return e
+
+
+def record(e: Engine) -> list[tuple[str, str, torch.Tensor]]:
+    """Every forward's (runner, mode, logits), in order."""
+    seen: list[tuple[str, str, torch.Tensor]] = []
+    for r in e.runners:
+        prev = r.observer
+
+        def obs(runner: Any, batch: Any, out: Any, prev: Any = prev) -> None:
+            seen.append((runner.name, batch.mode.value, out.logits.detach().clone()))
+            if prev is not None:
+                prev(runner, batch, out)
+        r.observer = obs
+    return seen
+
+
+def drive(e: Engine, rank: int, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]] | None:
+    """Rank 0 generates (every step broadcast first); the others follow until rank 0 stops them."""
+    if rank == 0:
+        out = [c.token_ids for c in e.generate(prompts, params)]
+        e.ranks.send(Control(e._outbox, stop=True))  # the engine stays usable: a pause, not a close
+        e._outbox = []
+        return out
+    follow(e)
+    return None
+
+
+def pause(e: Engine, rank: int) -> None:
+    """Bring every rank to the same scheduler state: rank 0's queued messages, then a stop."""
+    if rank == 0:
+        e.ranks.send(Control(e._outbox, stop=True))
+        e._outbox = []
+    else:
+        follow(e)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def digest(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().numpy().tobytes())
+
+
+def check_logits(rank: int, res: dict[str, Any]) -> None:
+    """Every forward of one speculative run: TP=2 logits vs TP=1 (rank 0), and identical on every rank."""
+    sps = [greedy(n) for n in LENS]
+    # One request asks for prompt logprobs: an EXTEND whose logit rows are every prompt token.
+    sps[2] = SamplingParams(temperature=0.0, max_new_tokens=LENS[2], prompt_logprobs=2)
+    for layout in LAYOUTS:
+        for draft, kv, draft_tp in (("random:2", 2, "shard"), ("random:2", 1, "shard"),
+                                    ("random:2", 2, "replicate"), ("none", 1, "shard")):
+            key = f"{layout}/{draft}/kv{kv}/{draft_tp}"
+            e = engine(draft, kv=kv, tp_size=2, tp_layout=layout, draft_tp=draft_tp)
+            got = record(e)
+            toks = drive(e, rank, PROMPTS, sps)
+            res.setdefault("digests", {})[key] = [digest(x) for _, _, x in got]
+            if rank == 0:
+                ref = engine(draft, kv=kv)
+                want = record(ref)
+                ref_toks = [c.token_ids for c in ref.generate(PROMPTS, sps)]
+                same_plan = [(n, m) for n, m, _ in got] == [(n, m) for n, m, _ in want]
+                errs = [rel_err(a, b) for (_, _, a), (_, _, b) in zip(got, want)] if same_plan else [1.0]
+                res.setdefault("logits", {})[key] = {
+                    "forwards": len(got), "same_plan": same_plan, "max_rel_err": max(errs),
+                    "modes": sorted({f"{n}:{m}" for n, m, _ in got}), "tokens_equal": toks == ref_toks,
+                    "kv_heads_per_rank": int(e.target.binding.kv_pool.k[0].shape[1]),
+                    "draft_kv_heads_per_rank": int(e.runners[-1].binding.kv_pool.k[0].shape[1]),
+                    "pool_slots": [r.binding.kv_pool.num_slots for r in e.runners],
+                    "ref_pool_slots": [r.binding.kv_pool.num_slots for r in ref.runners]}
+
+
+def check_exact(rank: int, res: dict[str, Any]) -> None:
+    """Greedy speculative output equals TP=1 target-only output, eager and through graph runners."""
+    sps = [greedy(n) for n in LENS]
+    want = None
+    if rank == 0:
+        want = [c.token_ids for c in engine("none").generate(PROMPTS, sps)]
+    out: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        for draft, emulate in (("random:3", False), ("random:2:5:nochain", True), ("none", True)):
+            e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate)
+            toks = drive(e, rank, PROMPTS, sps)
+            replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
+            out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}"] = {
+                "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays}
+    res["exact"] = out
+
+
+def live_draft_batch(e: Engine, bs: int, width: int) -> Any:
+    """A real un-pruned DRAFT_EXTEND view of `bs` running requests (as the worker builds its verify view)."""
+    w = e.worker
+    reqs = [r for r in e.scheduler.running if not r.prefilling][:bs]
+    for r in reqs:
+        assert e.mem.ensure(r, r.kv_len + width)
+    rpi = w.rpi_of(reqs)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, e.arch.vocab_size, (bs, width), generator=g)
+    v = w.view(ForwardMode.TARGET_VERIFY, reqs, rpi, ids, width, torch.arange(bs * width))
+    hid = torch.randn(bs * width, e.arch.hidden_size, generator=g)
+    v = dataclasses.replace(v, mode=ForwardMode.DRAFT_EXTEND, pruned=False, hidden_in=hid)
+    return e.runners[1].bind(v)
+
+
+def check_seed_regression(rank: int, res: dict[str, Any]) -> None:
+    """Un-pruned draft-extend graphs in the token-scattered layout: metadata, gathered logits, faults."""
+    e = engine("random:2", tp_size=2, tp_layout="scattered", graph_emulate=True)
+    if rank == 0:
+        for i, p in enumerate(PROMPTS):
+            e.add_request(f"q{i}", p, greedy(64))
+        while any(r.prefilling for r in e.scheduler.running) or e.scheduler.waiting:
+            e.step()
+    else:
+        pass
+    pause(e, rank)  # every rank now holds the same five running requests
+    d0 = e.runners[1]
+    width = d0.graphs.width
+    out: dict[str, Any] = {}
+
+    def run(fault: bool | str, bs: int) -> dict[str, Any]:
+        gr.FAULT_DRAFT_LOGPROB_BS = fault
+        try:
+            g = GraphRunner(d0, mode=ForwardMode.DRAFT_EXTEND, width=width, buckets=[1, 2, 4, 6],
+                            hidden_size=e.arch.hidden_size, dtype=e.dtype, pruned=False, emulate=True,
+                            tp_size=2, layout="scattered")
+            g.capture()
+            metas = {pbs: list(c.meta.global_num_tokens_for_logprob) for pbs, c in g.caps.items()}
+            batch = live_draft_batch(e, bs, width)
+            eager = d0.forward_eager(batch, observe=False).logits
+            saved, d0.graphs = d0.graphs, g
+            try:
+                got = d0.forward(batch).logits
+                refused = False
+            except MetaMismatch:
+                got, refused = None, True
+            finally:
+                d0.graphs = saved
+        finally:
+            gr.FAULT_DRAFT_LOGPROB_BS = False
+        # The selected rows: each request's last accepted row i·W + n_i (n_i = i mod W, every offset).
+        sel = [i * width + i % width for i in range(bs)]
+        r: dict[str, Any] = {"metas": metas, "refused": refused, "bucket": g.bucket(bs), "sel": sel}
+        if got is not None:
+            r["max_rel_err_sel"] = rel_err(got[sel], eager[sel])
+            r["bad_sel_rows"] = [s for s in sel if rel_err(got[s], eager[s]) > 1e-5]
+            r["rows"] = int(got.shape[0])
+        return r
+
+    for bs in (3, 5):
+        out[f"healthy/bs{bs}"] = run(False, bs)
+        out[f"fault_capture/bs{bs}"] = run("capture", bs)
+        out[f"fault_replay/bs{bs}"] = run(True, bs)
+    out["width"] = width
+    res["seed"] = out
+    e.scheduler.running.clear()
+
+
+def main() -> int:
+    rank, world, port, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res: dict[str, Any] = {"rank": rank}
+    try:
+        check_logits(rank, res)
+        check_exact(rank, res)
+        check_seed_regression(rank, res)
+    except Exception:
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    if "error" in res:
+        print(res["error"], file=sys.stderr, flush=True)
+        os._exit(1)  # a failed rank: the others would wait on its collectives
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
