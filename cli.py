@@ -16,6 +16,7 @@ commands:
   bench serve   online load generator against a running server (mleagle bench serve --help)
   bench gpu     GPU benchmark through Engine.generate: graphs, eager, speculation, HF (mleagle bench gpu --help)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
+  engine-ranks  run this node's tensor-parallel ranks of a multi-node engine (mleagle engine-ranks --help)
 """
 
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         from mleagle.engine.entrypoints.bench import main as run
     elif cmd == "serve":
         from mleagle.daemon.cli import serve_main as run
+    elif cmd == "engine-ranks":
+        from mleagle.engine.service.ranks import launcher_main as run
     else:
         print(f"mleagle: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

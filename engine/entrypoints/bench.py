@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mleagle.engine.contract.cli_flags import add_tp_args, tp_overrides
 from mleagle.engine.contract.config import data_dir
 
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-steps", type=int, default=None)
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                    help="auto: triton on CUDA, torch on the CPU")
+    add_tp_args(p)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-load", action="store_true", help="skip the cold/warm load subprocesses")
     p.add_argument("--out", default="results/bench_cpu.json")
@@ -346,11 +348,19 @@ def run(a: argparse.Namespace) -> int:
     for k in ("draft", "spec_steps", "threads", "attention_backend"):
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
+    over.update(tp_overrides(a))
+    tp = int(over.get("tp_size", 1))
+    if tp > 1 and not a.skip_hf:
+        # HF would read this rank's shards; and one tensor-parallel engine runs per process.
+        print("mleagle bench: --tp > 1 skips HF and the target-only baseline (one TP engine per process)",
+              file=sys.stderr)
+        a.skip_hf = True
+    report["tp_size"] = tp
     engine = Engine(cfg, **over)
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
     target = None
-    if a.draft not in (None, "", "none"):
+    if a.draft not in (None, "", "none") and tp == 1:
         target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")})
     report["engine_load_s"] = round(engine.load_time_s, 3)
     report["weights"] = weight_report(engine)
@@ -405,6 +415,7 @@ def run(a: argparse.Namespace) -> int:
               + (f", HF {row['hf']['decode_tok_s']:.1f} tok/s" if hf is not None else ""), file=sys.stderr)
     report["results"] = results
     report["peak_rss_mb_total"] = round(peak_rss_mb(), 1)
+    engine.close()
     _, ptrs_after = kv_report(engine)
     report["kv"]["allocated_once"] = ptrs_after == kv_ptrs
     report["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -356,6 +356,9 @@ def attach(cfg: MleagleConfig) -> Runtime:
     """The runtime an Engine with tp_size > 1 runs on: this process's (a follower, an adopted group),
     or, in a process with none, a new one with this process as rank 0."""
     n = cfg.engine.tp_size
+    if _RT is not None and _RT.owned and _RT.rank == 0:
+        # Its followers run the first engine's schedule; a second would need ranks of its own.
+        raise RankError("this process already runs a tensor-parallel engine as rank 0: close() it first")
     rt = _RT if _RT is not None else adopt() if dist.is_available() and dist.is_initialized() else None
     if rt is None:
         rt = start_rank0(cfg)
