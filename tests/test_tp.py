@@ -58,8 +58,13 @@ def spawn_spmd(tmp: Path, world: int = 2, timeout: float = 300) -> list[dict[str
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn_spmd(tmp_path_factory.mktemp("tp"))
+def spmd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.fixture(scope="module")
+def ranks(spmd_dir: Path) -> list[dict[str, Any]]:
+    return spawn_spmd(spmd_dir)
 
 
 def test_logits_equal_tp1_in_both_layouts(ranks: list[dict[str, Any]]) -> None:
@@ -304,3 +309,44 @@ async def test_daemon_tp2_answers_as_tp1_and_survives_a_killed_rank(tiny_tok: Pa
         assert srv.terminate() == 0, srv.log()
     finally:
         srv.kill()
+
+
+def test_events_carry_per_rank_counts(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0's logprob-metadata events: every forward's per-rank token and logprob counts by the layout's
+    rule (all rows on every rank; or padded equal shares), all agreeing with the logit rows."""
+    assert set(ranks[0]["events"]) == {"all_reduce", "scattered"}
+    for layout, evs in ranks[0]["events"].items():
+        assert {e[1] for e in evs} >= {"EXTEND", "TARGET_VERIFY", "DRAFT_EXTEND"}
+        for runner, mode, bs, width, rows, gnt, gntl, tp, lay, agree in evs:
+            assert tp == 2 and lay == layout and agree, (runner, mode)
+            if mode != "EXTEND":  # uniform: bs·W tokens; draft-extend logits pruned to one row per request
+                want = row_meta(ForwardMode(mode), bs, width, pruned=mode == "DRAFT_EXTEND", tp_size=2, layout=layout)
+                assert (gnt, gntl, rows) == (list(want.global_num_tokens), list(want.global_num_tokens_for_logprob),
+                                             want.logit_rows), (runner, mode, bs)
+            if layout == "scattered":
+                assert len(set(gntl)) == 1 and sum(gntl) == -(-rows // 2) * 2
+                assert len(set(gnt)) == 1 and sum(gnt) % 2 == 0
+            else:
+                assert gntl == [rows, rows] and gnt[0] == gnt[1]
+
+
+async def test_tui_shows_per_rank_counts(ranks: list[dict[str, Any]], spmd_dir: Path) -> None:
+    """`mleagle-tui` replaying rank 0's real events: the Logprobs tab names the ranks and the layout and
+    shows each runner's per-rank tokens and logprob rows (the table lists them per forward)."""
+    from mleagle.tui.app import MleagleTui
+    from mleagle.tui.source import ReplaySource
+    from tests.tui_helpers import screen_text, until
+
+    src = ReplaySource(spmd_dir / "events_scattered.jsonl", speed=0)
+    app = MleagleTui(src)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await until(pilot, lambda: src.done)
+        await pilot.press("5")
+        await pilot.pause()
+        app.refresh_view(force=True)
+        await pilot.pause()
+        text = screen_text(app)
+    assert "tensor parallel 2 ranks, scattered" in text, text
+    verify = [e for e in ranks[0]["events"]["scattered"] if e[0] == "target" and e[1] == "TARGET_VERIFY"][-1]
+    line = next(x for x in text.splitlines() if "target" in x and "TARGET_VERIFY" in x and "per rank" in x)
+    assert f"tokens {verify[5][0]} {verify[5][1]}  logprob rows {verify[6][0]} {verify[6][1]}  of {verify[4]}" in line

@@ -122,8 +122,12 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
                     "ref_pool_slots": [r.binding.kv_pool.num_slots for r in ref.runners]}
 
 
-def check_exact(rank: int, res: dict[str, Any]) -> None:
-    """Greedy speculative output equals TP=1 target-only output, eager and through graph runners."""
+def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
+    """Greedy speculative output equals TP=1 target-only output, eager and through graph runners. The
+    eager runs also record rank 0's state events (what the daemon relays and the TUI shows)."""
+    from mleagle.engine.contract.event_bus import EventBus
+    from mleagle.engine.contract.events import write_recording
+
     sps = [greedy(n) for n in LENS]
     want = None
     if rank == 0:
@@ -132,7 +136,16 @@ def check_exact(rank: int, res: dict[str, Any]) -> None:
     for layout in LAYOUTS:
         for draft, emulate in (("random:3", False), ("random:2:5:nochain", True), ("none", True)):
             e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate)
+            if rank == 0 and not emulate:
+                e.events = EventBus()
             toks = drive(e, rank, PROMPTS, sps)
+            if e.events is not None:
+                evs = e.events.drain()
+                write_recording(os.path.join(outdir, f"events_{layout}.jsonl"), evs, source="tests/tp_spmd.py")
+                res.setdefault("events", {})[layout] = [
+                    [x.runner, x.mode, x.bs, x.width, x.logit_rows, x.global_num_tokens,
+                     x.global_num_tokens_for_logprob, x.tp_size, x.layout, x.agree]
+                    for x in evs if x.type == "logprob_meta"]
             replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
             out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}"] = {
                 "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays}
@@ -215,7 +228,7 @@ def main() -> int:
     res: dict[str, Any] = {"rank": rank}
     try:
         check_logits(rank, res)
-        check_exact(rank, res)
+        check_exact(rank, res, outdir)
         check_seed_regression(rank, res)
     except Exception:
         res["error"] = traceback.format_exc()

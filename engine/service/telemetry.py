@@ -2,7 +2,8 @@
 
 The engine process installs an `EventBus` as `engine.events`; until then (and in the offline API)
 every hook returns at once. Hooks: `on_forward` (every runner forward → logprob metadata: mode, bs,
-width, logit rows against the one row-count rule), `on_step` (the step's batch and any draft-extend
+width, logit rows against the one row-count rule, and the per-rank token and logprob counts of the
+tensor-parallel layout), `on_step` (the step's batch and any draft-extend
 batches, per-runner pool occupancy, acceptance, request lifecycle and per-token logprobs), `on_add`
 (queued). Everything read here is a Python int, a list length or a tensor shape.
 """
@@ -45,10 +46,17 @@ class Telemetry:
         if self.bus is None:
             return
         rows = int(out.logits.shape[0])
-        self.bus.emit(ev.LogprobMetaEvent.build(
+        # The per-rank counts this forward's gathers used: its own (eager), or by the same rule from the
+        # live batch (a graph replay ran a padded copy); the rule is the same on every rank.
+        model = runner.model
+        layout = getattr(model, "layout", "all_reduce")
+        m = batch.row_meta or batch.meta(getattr(model, "tp_size", 1), layout)
+        expected = batch.expected_logit_rows
+        self.bus.emit(ev.LogprobMetaEvent(
             runner=runner.name, mode=batch.mode.value, bs=batch.bs, width=batch.width, logit_rows=rows,
-            expected_rows=batch.expected_logit_rows, global_num_tokens=[batch.num_tokens],
-            global_num_tokens_for_logprob=[rows], step=self.e.scheduler.num_steps))
+            expected_rows=expected, global_num_tokens=list(m.global_num_tokens),
+            global_num_tokens_for_logprob=list(m.global_num_tokens_for_logprob), tp_size=m.tp_size,
+            layout=m.layout, agree=m.agree and rows == m.logit_rows == expected, step=self.e.scheduler.num_steps))
 
     def on_step(self, outputs: list[RequestOutput], duration: float) -> None:
         s = self.e.scheduler
