@@ -350,3 +350,32 @@ async def test_tui_shows_per_rank_counts(ranks: list[dict[str, Any]], spmd_dir: 
     verify = [e for e in ranks[0]["events"]["scattered"] if e[0] == "target" and e[1] == "TARGET_VERIFY"][-1]
     line = next(x for x in text.splitlines() if "target" in x and "TARGET_VERIFY" in x and "per rank" in x)
     assert f"tokens {verify[5][0]} {verify[5][1]}  logprob rows {verify[6][0]} {verify[6][1]}  of {verify[4]}" in line
+
+
+def test_gpu_tp_script_dry_run(tmp_path: Path) -> None:
+    """scripts/gpu_tp.py (the two-GPU run) on the CPU: gloo, tiny model, emulated graphs, both layouts."""
+    out = tmp_path / "gpu_tp.json"
+    r = subprocess.run([sys.executable, "scripts/gpu_tp.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ok"] and set(res["runs"]) == {"tp1", "tp2/all_reduce", "tp2/scattered"}
+    for key in ("tp2/all_reduce", "tp2/scattered"):
+        c = res["runs"][key]["vs_tp1"]
+        assert c["teacher_forced_max_abs_dlogprob"] < 1e-4 and all(x["equal"] for x in c["greedy"])
+        assert all(s["graph_replays"] > 0 for s in res["runs"][key]["steps"])
+    assert "| tp2/scattered | 4 |" in r.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_tp_two_gpus(tmp_path: Path) -> None:
+    """The two-GPU run itself (NCCL, Llama-3-8B shape, graphs), one layout and fewer steps."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "gpu_tp.json"
+    r = subprocess.run([sys.executable, "scripts/gpu_tp.py", "--layouts", "scattered", "--steps", "16", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads(out.read_text())["ok"]
