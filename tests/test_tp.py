@@ -218,6 +218,40 @@ class LP(list):
     __hash__ = None  # type: ignore[assignment]
 
 
+def test_a_dead_rank_on_another_node_ends_rank_0(tiny_tok: Path) -> None:
+    """Node 1's rank is killed mid-generation: its launcher reports it in the rendezvous store, rank 0
+    (in `generate` on node 0) ends at once with the reason instead of hanging in a collective, and the
+    launcher (--no-restart) exits non-zero."""
+    import time
+
+    port = str(free_port())
+    node1 = subprocess.Popen([sys.executable, "-m", "mleagle.cli", "engine-ranks", "--tp", "2", "--nnodes", "2",
+                              "--node-rank", "1", "--master-port", port, "--no-restart"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    gen = subprocess.Popen([sys.executable, "-m", "mleagle.cli", "generate", "--model", str(tiny_tok), "--prompt", "Hi",
+                            "--max-new-tokens", "500", "--ignore-eos", "--tp", "2", "--nnodes", "2", "--master-port",
+                            port], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert gen.stdout is not None
+        buf = ""
+        while "tokens" not in buf:  # the progress line: generation has started on both nodes
+            ch = gen.stdout.read(1)
+            assert ch, buf
+            buf += ch
+        t0 = time.monotonic()
+        os.kill(_children(node1.pid)[0], 9)
+        out = buf + gen.communicate(timeout=60)[0]
+        took = time.monotonic() - t0
+        n1 = node1.communicate(timeout=60)[0]
+    finally:
+        for p in (gen, node1):
+            if p.poll() is None:
+                p.kill()
+    assert gen.returncode != 0 and took < 15, (gen.returncode, took, out[-2000:])
+    assert "rank 1 (pid" in out and "exited with code -9" in out, out[-2000:]
+    assert node1.returncode == 1 and "ranks ended with codes [-9]" in n1, n1
+
+
 def _oai_calls(url: str) -> list[Any]:
     import openai
 

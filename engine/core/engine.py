@@ -311,12 +311,22 @@ class Engine:
             raise ValueError(f"unknown control message {msg[0]!r}")
 
     def step(self) -> list[RequestOutput]:
-        if self.ranks is not None and self.ranks.rank == 0:
-            # Every rank applies the same messages, then runs the same step (engine/service/ranks.py).
-            from mleagle.engine.service.ranks import Control
+        if self.ranks is None:
+            return self._step()
+        try:
+            if self.ranks.rank == 0:
+                # Every rank applies the same messages, then runs the same step (engine/service/ranks.py).
+                from mleagle.engine.service.ranks import Control
 
-            self.ranks.send(Control(self._outbox, step=True, digest=self._digest))
-            self._outbox = []
+                self.ranks.send(Control(self._outbox, step=True, digest=self._digest))
+                self._outbox = []
+            return self._step()
+        except Exception as err:
+            if self.ranks.closed or not getattr(self.ranks, "owned", False):
+                raise
+            raise self.ranks.failed(err) from err  # name the rank that is gone, not the collective
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outs = self.scheduler.step()
         self.telemetry.on_step(outs, time.perf_counter() - t0)
@@ -346,7 +356,8 @@ class Engine:
         return {"num_running": len(sch.running), "num_waiting": len(sch.waiting), "num_steps": sch.num_steps,
                 "num_preemptions": sch.num_preemptions, "load_time_s": round(self.load_time_s, 3),
                 "spec": spec.summary() if spec is not None else None,
-                "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None)}
+                "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None),
+                "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None}
 
     def pool_usage(self) -> list[dict[str, Any]]:
         used_tok = self.allocator.num_used_tokens

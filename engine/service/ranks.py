@@ -20,12 +20,14 @@ collectives. An idle rank 0 sends nothing: followers wait in the control broadca
 
 Liveness: no rank may hang on a dead one. Each rank's watchdog thread bumps a heartbeat counter in the
 store (over its own connection) and watches the others'; a counter that stops for `tp_timeout_s`, a
-store that cannot be reached (rank 0, its host, is gone) or a local child rank that exits ends the
-process at once with `os._exit`, because a thread blocked in a collective cannot be interrupted. Child
-ranks also get SIGTERM when their parent dies (PR_SET_PDEATHSIG). So a killed rank takes the whole
-engine down within about a second on one node and within `tp_timeout_s` across nodes; the daemon
-restarts rank 0, which starts its node's ranks again, and `engine-ranks` restarts its node's ranks for
-the new rank 0 (a clean stop of the engine ends it with exit code 0).
+store that cannot be reached (rank 0, its host, is gone), a local child rank that exits, or a failure
+reported in the store ends the process at once with `os._exit`, because a thread blocked in a
+collective cannot be interrupted. A rank that fails, and `engine-ranks` when one of its ranks dies
+(checked against the pid that rank registered, so a failure is never reported to a newer rank 0),
+report it in the store, so every node learns within a heartbeat. Child ranks also get SIGTERM when
+their parent dies (PR_SET_PDEATHSIG). The daemon then restarts rank 0, which starts its node's ranks
+again, and `engine-ranks` restarts its node's ranks for the new rank 0 (a clean stop of the engine
+ends it with exit code 0); `tp_timeout_s` bounds the rest (a rank alive but stuck, a silent host).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from mleagle.engine.distributed import TPGroup, set_current
 
 log = logging.getLogger("mleagle.engine.ranks")
 CONFIG_KEY = "mleagle/config"
+FAILED_KEY = "mleagle/failed"  # set by whoever sees a rank fail first: every watchdog then ends its rank
 HEARTBEAT_S = 0.5
 JOIN_TIMEOUT_S = 600.0  # ranks that never arrive (torchrun's rendezvous join timeout)
 STOP_ACK_S = 10.0  # how long rank 0 waits for the followers to acknowledge a clean stop
@@ -147,6 +150,8 @@ class Watchdog(threading.Thread):
         while not self.halt.wait(HEARTBEAT_S):
             now = time.monotonic()
             try:
+                if store.check([FAILED_KEY]):
+                    rt.die(store.get(FAILED_KEY).decode())
                 store.add(f"hb/{rt.rank}", 1)
                 for r in others:
                     v = store.add(f"hb/{r}", 0)
@@ -178,6 +183,7 @@ class Runtime:
         self.tp = TPGroup(rank, self.size, None)
         self.watchdog: Watchdog | None = None
         self.closed = False
+        self.broken = False  # a step failed in a collective: no clean stop is possible
         self._hdr = torch.zeros(4, dtype=torch.int64)
 
     # --- liveness ---------------------------------------------------------------------------------
@@ -188,11 +194,29 @@ class Runtime:
 
     def die(self, why: str) -> None:
         """A rank is gone: every collective may hang now, so end this process (and its child ranks)."""
-        msg = f"mleagle: tensor-parallel engine going down: {why}"
-        log.error(msg)
-        print(msg, file=sys.stderr, flush=True)
+        log.error("mleagle: tensor-parallel engine going down: %s", why)
         self.kill_children()
+        report_failure(self.topo, why, self.store)
         os._exit(1)
+
+    def failed(self, err: BaseException) -> RankError:
+        """A step raised (a collective failed): name the rank that is gone where anyone knows, and mark
+        this runtime broken (no clean stop: the others are failing too)."""
+        self.broken = True
+        why = None
+        t0 = time.monotonic()
+        while why is None and time.monotonic() - t0 < 2.0:  # a launcher's report may be a moment behind
+            for lr, p in self.children:
+                if p.poll() is not None:
+                    why = f"rank {self.topo.global_rank(lr)} (pid {p.pid}) exited with code {p.returncode}"
+            try:
+                if why is None and self.store is not None and self.store.check([FAILED_KEY]):
+                    why = self.store.get(FAILED_KEY).decode()
+            except Exception:
+                why = "the rendezvous store is gone (rank 0's process)"
+            if why is None:
+                time.sleep(0.1)
+        return RankError(f"a tensor-parallel rank failed: {why or f'{type(err).__name__}: {err}'}")
 
     def kill_children(self) -> None:
         for _, p in self.children:
@@ -228,6 +252,10 @@ class Runtime:
             self.send(Control(stop=True))
             return
         self.closed = True
+        if self.broken:  # the other ranks are failing: nothing to tell them, nothing to wait for
+            self.kill_children()
+            self._destroy()
+            return
         if self.watchdog is not None:  # followers exiting now is the plan, not a failure
             self.watchdog.stop()
         try:
@@ -272,6 +300,23 @@ _RT: Runtime | None = None
 
 def runtime() -> Runtime | None:
     return _RT
+
+
+def report_failure(topo: Topology, why: str, store: Any = None, rank: int | None = None, pid: int | None = None) -> None:
+    """Tell every rank through the store (best effort, never blocking long). With `rank`/`pid` (a
+    launcher reporting a dead child), only if that pid is the one the rank registered in this store:
+    the store may already belong to a newer rank 0, whose engine must not be failed."""
+    try:
+        if store is None:
+            store = dist.TCPStore(topo.addr, topo.port, None, False, datetime.timedelta(seconds=2))
+        if rank is not None:
+            key = f"pid/{rank}"
+            if not store.check([key]) or store.get(key).decode() != str(pid):
+                return
+        if not store.check([FAILED_KEY]):
+            store.set(FAILED_KEY, why)
+    except Exception:
+        pass
 
 
 def _backend(cfg: MleagleConfig) -> str:
@@ -338,6 +383,7 @@ def join_follower(topo: Topology, rank: int, local_rank: int) -> tuple[Runtime, 
     if cfg.engine.tp_size != topo.tp:
         raise RankError(f"rank 0 runs tp_size {cfg.engine.tp_size}, this rank was started for {topo.tp}")
     rt = _join(topo, rank, local_rank, store, _backend(cfg), owned=True)
+    store.set(f"pid/{rank}", str(os.getpid()))  # what a launcher checks before reporting this rank dead
     rt.watch(cfg.engine.tp_timeout_s)
     return rt, cfg
 
@@ -407,6 +453,7 @@ def rank_main(argv: list[str] | None = None) -> int:
         code = follow(engine)
     except Exception as e:
         log.error("rank %d failed: %s: %s", a.rank, type(e).__name__, e, exc_info=True)
+        report_failure(topo, f"rank {a.rank} failed: {type(e).__name__}: {e}", getattr(_RT, "store", None))
         logging.shutdown()
         os._exit(1)  # a failed rank must not wait in a group destructor: the others are watching
     rt.finish_follower()
@@ -461,7 +508,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
         procs[:] = [_spawn_rank(topo, lr, os.getpid()) for lr in range(topo.local_size)]
         log.info("started ranks %s (pids %s), rendezvous %s:%d",
                  [topo.global_rank(lr) for lr in range(topo.local_size)], [p.pid for p in procs], topo.addr, topo.port)
-        codes = _wait_ranks(procs)
+        codes = _wait_ranks(procs, topo)
         if stopping.is_set():
             return 0
         if all(c == 0 for c in codes):
@@ -470,22 +517,44 @@ def launcher_main(argv: list[str] | None = None) -> int:
         log.error("ranks ended with codes %s", codes)
         if a.no_restart:
             return 1
-        time.sleep(delay)  # rank 0 is restarting: its new store will be there shortly
+        # Rank 0 is going down (told through the store) and will be restarted: wait until its store is
+        # no longer the one our dead ranks joined, so the new ranks meet the new rank 0.
+        _await_new_store(topo, topo.global_rank(0), procs[0].pid, timeout=30.0)
+        time.sleep(delay)
         delay = min(delay * 2, 30.0)
     return 0
 
 
-def _wait_ranks(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    """Wait for every rank; the first failure ends the others (they would hang on it)."""
+def _await_new_store(topo: Topology, rank: int, pid: int, timeout: float) -> None:
+    """Until the rendezvous store is gone or holds another registration for `rank` than `pid`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            st = dist.TCPStore(topo.addr, topo.port, None, False, datetime.timedelta(seconds=2))
+            key = f"pid/{rank}"
+            if not st.check([key]) or st.get(key).decode() != str(pid):
+                return
+        except Exception:
+            return
+        time.sleep(0.2)
+
+
+def _wait_ranks(procs: list[subprocess.Popen[bytes]], topo: Topology) -> list[int]:
+    """Wait for every rank; the first failure is reported to the engine and ends the others (they
+    would hang on it)."""
     while True:
         codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return [int(c) for c in codes]  # type: ignore[arg-type]
-        if any(c not in (None, 0) for c in codes):
+        failed = [(lr, p, c) for lr, (p, c) in enumerate(zip(procs, codes)) if c not in (None, 0)]
+        for lr, p, c in failed:
+            r = topo.global_rank(lr)
+            report_failure(topo, f"rank {r} (pid {p.pid}, node {topo.node_rank}) exited with code {c}", rank=r, pid=p.pid)
+        if failed:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
             return [int(p.wait()) for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes]  # type: ignore[arg-type]
         time.sleep(0.2)
 
 
