@@ -179,7 +179,7 @@ class Runtime:
         self.store = store
         self.owned = owned  # this process set the group up (not torchrun or a test harness)
         self.children = children or []
-        self.ctl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.ctl: Any = None  # the gloo control group, made when the process group exists (`_join`)
         self.tp = TPGroup(rank, self.size, None)
         self.watchdog: Watchdog | None = None
         self.closed = False
@@ -323,14 +323,15 @@ def _backend(cfg: MleagleConfig) -> str:
     return "nccl" if cfg.engine.resolved_device() == "cuda" else "gloo"
 
 
-def _join(topo: Topology, rank: int, local_rank: int, store: Any, backend: str, owned: bool,
-          children: list[tuple[int, subprocess.Popen[bytes]]] | None = None) -> Runtime:
+def _join(rt: Runtime, backend: str) -> Runtime:
+    """Join the process group (the default group: the model's collectives) and the control group."""
     global _RT
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=topo.tp,
-                            timeout=COLLECTIVE_TIMEOUT)
-    rt = Runtime(topo, rank, local_rank, store, owned, children)
+        torch.cuda.set_device(rt.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", rt.store), rank=rt.rank, world_size=rt.size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    rt.ctl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     set_current(rt.tp)
     _RT = rt
     return rt
@@ -356,20 +357,12 @@ def start_rank0(cfg: MleagleConfig) -> Runtime:
     children = [(lr, _spawn_rank(topo, lr, os.getpid())) for lr in range(1, topo.local_size)]
     log.info("tensor parallel: rank 0 of %d (%d per node on %d nodes), rendezvous %s:%d, %d local ranks started",
              topo.tp, topo.local_size, topo.nnodes, topo.addr, topo.port, len(children))
-    rt = None
+    rt = Runtime(topo, 0, 0, store, owned=True, children=children)
     try:
-        # The watchdog runs before the join, so a local rank that dies while starting is noticed.
-        pre = Runtime.__new__(Runtime)
-        pre.topo, pre.rank, pre.size, pre.children, pre.store = topo, 0, topo.tp, children, store
-        pre.watchdog = None
-        wd = Watchdog(pre, cfg.engine.tp_timeout_s)
-        wd.start()
-        rt = _join(topo, 0, 0, store, _backend(cfg), owned=True, children=children)
-        wd.rt = rt
-        rt.watchdog = wd
+        rt.watch(cfg.engine.tp_timeout_s)  # before the join: a local rank that dies while starting is noticed
+        _join(rt, _backend(cfg))
     except BaseException:
-        for _, p in children:
-            p.kill()
+        rt.kill_children()
         raise
     atexit.register(rt.stop_engine)
     return rt
@@ -382,19 +375,20 @@ def join_follower(topo: Topology, rank: int, local_rank: int) -> tuple[Runtime, 
     cfg = MleagleConfig.model_validate_json(store.get(CONFIG_KEY))
     if cfg.engine.tp_size != topo.tp:
         raise RankError(f"rank 0 runs tp_size {cfg.engine.tp_size}, this rank was started for {topo.tp}")
-    rt = _join(topo, rank, local_rank, store, _backend(cfg), owned=True)
     store.set(f"pid/{rank}", str(os.getpid()))  # what a launcher checks before reporting this rank dead
+    rt = Runtime(topo, rank, local_rank, store, owned=True)
     rt.watch(cfg.engine.tp_timeout_s)
+    _join(rt, _backend(cfg))
     return rt, cfg
 
 
 def adopt() -> Runtime:
     """A process group another launcher set up (torchrun, the tests): use it as it is."""
-    global _RT
     if _RT is None:
         topo = Topology(dist.get_world_size())
-        _RT = Runtime(topo, dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())), None, owned=False)
-        set_current(_RT.tp)
+        _join(Runtime(topo, dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())), None, owned=False),
+              dist.get_backend())
+    assert _RT is not None
     return _RT
 
 
