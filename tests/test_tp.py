@@ -92,12 +92,15 @@ def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:
 
 def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["exact"], ranks[1]["exact"]
-    assert len(r0) == 6
+    assert len(r0) == 8
     for key, r in r0.items():
         assert r["equal"], key
         assert r["free"] and r1[key]["free"], key
+        assert r1[key]["preemptions"] == r["preemptions"], key  # the same schedule on both ranks
         if key.endswith("graphs"):
             assert r["replays"] > 0 and r1[key]["replays"] == r["replays"], key
+        if key.endswith("tight"):
+            assert r["preemptions"] > 0, key
 
 
 def test_seed_regression_draft_extend_logprob_rows_under_scattered_tp(ranks: list[dict[str, Any]]) -> None:

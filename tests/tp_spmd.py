@@ -133,10 +133,14 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
     if rank == 0:
         want = [c.token_ids for c in engine("none").generate(PROMPTS, sps)]
     out: dict[str, Any] = {}
+    # A small pool and 4-token prefill chunks: chunked prefills and preemptions (the LIFO victim must be
+    # the same on every rank), still exact.
+    tight = {"max_total_tokens": 48, "chunked_prefill_size": 4}
     for layout in LAYOUTS:
-        for draft, emulate in (("random:3", False), ("random:2:5:nochain", True), ("none", True)):
-            e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate)
-            if rank == 0 and not emulate:
+        for draft, emulate, extra in (("random:3", False, {}), ("random:2:5:nochain", True, {}), ("none", True, {}),
+                                      ("random:2", False, tight)):
+            e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate, **extra)
+            if rank == 0 and not emulate and not extra:
                 e.events = EventBus()
             toks = drive(e, rank, PROMPTS, sps)
             if e.events is not None:
@@ -147,8 +151,9 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
                      x.global_num_tokens_for_logprob, x.tp_size, x.layout, x.agree]
                     for x in evs if x.type == "logprob_meta"]
             replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
-            out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}"] = {
-                "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays}
+            out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}{'/tight' if extra else ''}"] = {
+                "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays,
+                "preemptions": e.scheduler.num_preemptions}
     res["exact"] = out
 
 
