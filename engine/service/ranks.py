@@ -143,7 +143,7 @@ class Watchdog(threading.Thread):
             # Its own connection: the main thread's store may be busy in a long wait (the join barrier).
             store = dist.TCPStore(rt.topo.addr, rt.topo.port, None, False, datetime.timedelta(seconds=30))
         except Exception as e:
-            rt.die(f"rank {rt.rank}: cannot reach the rendezvous store ({e})")
+            rt.die(f"rank {rt.rank}: cannot reach the rendezvous store ({e})", report=False)
             return
         others = [r for r in range(rt.size) if r != rt.rank]
         seen: dict[int, tuple[int, float]] = {}
@@ -151,7 +151,7 @@ class Watchdog(threading.Thread):
             now = time.monotonic()
             try:
                 if store.check([FAILED_KEY]):
-                    rt.die(store.get(FAILED_KEY).decode())
+                    rt.die(store.get(FAILED_KEY).decode(), report=False)
                 store.add(f"hb/{rt.rank}", 1)
                 for r in others:
                     v = store.add(f"hb/{r}", 0)
@@ -163,7 +163,7 @@ class Watchdog(threading.Thread):
             except Exception as e:
                 if self.halt.is_set():
                     return
-                rt.die(f"rank {rt.rank} lost the rendezvous store ({type(e).__name__}): rank 0 is gone")
+                rt.die(f"rank {rt.rank} lost the rendezvous store ({type(e).__name__}): rank 0 is gone", report=False)
             for lr, p in rt.children:
                 if p.poll() is not None and not self.halt.is_set():
                     rt.die(f"rank {rt.topo.global_rank(lr)} (pid {p.pid}) exited with code {p.returncode}")
@@ -192,11 +192,14 @@ class Runtime:
             self.watchdog = Watchdog(self, timeout)
             self.watchdog.start()
 
-    def die(self, why: str) -> None:
-        """A rank is gone: every collective may hang now, so end this process (and its child ranks)."""
+    def die(self, why: str, report: bool = True) -> None:
+        """A rank is gone: every collective may hang now, so end this process (and its child ranks),
+        telling the other ranks first when the store is still there (over a fresh connection: the main
+        thread may hold its own in a long wait)."""
         log.error("mleagle: tensor-parallel engine going down: %s", why)
         self.kill_children()
-        report_failure(self.topo, why, self.store)
+        if report and self.store is not None:
+            report_failure(self.topo, why)
         os._exit(1)
 
     def failed(self, err: BaseException) -> RankError:
