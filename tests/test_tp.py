@@ -83,6 +83,8 @@ def test_logits_equal_tp1_in_both_layouts(ranks: list[dict[str, Any]]) -> None:
         assert r["kv_heads_per_rank"] == 1, key
         assert r["draft_kv_heads_per_rank"] == (2 if key.endswith("replicate") else 1), key
         assert r["pool_slots"] == r["ref_pool_slots"], key
+        v = int(key.split("/v")[1].split("/")[0])  # padded to equal shards, cut back to the vocabulary
+        assert r["vocab_out"] == v and r["head_rows_per_rank"] == -(-v // 2), key
 
 
 def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:

@@ -46,8 +46,8 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=n)
 
 
-def engine(draft: str, kv: int = 2, **over: Any) -> Engine:
-    e = Engine(tiny_cfg(kv=kv), draft=draft, max_running_requests=12, **over)
+def engine(draft: str, kv: int = 2, vocab: int = 256, **over: Any) -> Engine:
+    e = Engine(tiny_cfg(kv=kv, vocab=vocab), draft=draft, max_running_requests=12, **over)
     chaos(e)
     return e
 
@@ -100,15 +100,16 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
     # One request asks for prompt logprobs: an EXTEND whose logit rows are every prompt token.
     sps[2] = SamplingParams(temperature=0.0, max_new_tokens=LENS[2], prompt_logprobs=2)
     for layout in LAYOUTS:
-        for draft, kv, draft_tp in (("random:2", 2, "shard"), ("random:2", 1, "shard"),
-                                    ("random:2", 2, "replicate"), ("none", 1, "shard")):
-            key = f"{layout}/{draft}/kv{kv}/{draft_tp}"
-            e = engine(draft, kv=kv, tp_size=2, tp_layout=layout, draft_tp=draft_tp)
+        # vocab 255: shards of 128 rows, the last one with a padding row the head must cut off.
+        for draft, kv, draft_tp, vocab in (("random:2", 2, "shard", 256), ("random:2", 1, "shard", 255),
+                                           ("random:2", 2, "replicate", 256), ("none", 1, "shard", 256)):
+            key = f"{layout}/{draft}/kv{kv}/v{vocab}/{draft_tp}"
+            e = engine(draft, kv=kv, vocab=vocab, tp_size=2, tp_layout=layout, draft_tp=draft_tp)
             got = record(e)
             toks = drive(e, rank, PROMPTS, sps)
             res.setdefault("digests", {})[key] = [digest(x) for _, _, x in got]
             if rank == 0:
-                ref = engine(draft, kv=kv)
+                ref = engine(draft, kv=kv, vocab=vocab)
                 want = record(ref)
                 ref_toks = [c.token_ids for c in ref.generate(PROMPTS, sps)]
                 same_plan = [(n, m) for n, m, _ in got] == [(n, m) for n, m, _ in want]
@@ -116,6 +117,7 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
                 res.setdefault("logits", {})[key] = {
                     "forwards": len(got), "same_plan": same_plan, "max_rel_err": max(errs),
                     "modes": sorted({f"{n}:{m}" for n, m, _ in got}), "tokens_equal": toks == ref_toks,
+                    "vocab_out": int(got[0][2].shape[1]), "head_rows_per_rank": int(e.model.lm_head.weight.shape[0]),
                     "kv_heads_per_rank": int(e.target.binding.kv_pool.k[0].shape[1]),
                     "draft_kv_heads_per_rank": int(e.runners[-1].binding.kv_pool.k[0].shape[1]),
                     "pool_slots": [r.binding.kv_pool.num_slots for r in e.runners],
