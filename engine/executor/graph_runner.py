@@ -14,7 +14,8 @@ Row counts come from one rule: each captured bucket records `row_meta(mode, padd
 per-rank token and logprob counts of the configured tensor-parallel layout) and a replay recomputes
 them from the live batch after padding; the two must agree (`MetaMismatch` otherwise), which is the
 check that would have caught a draft-extend graph recording `[bs]` logprob rows where the forward
-makes bs·W. On a machine without CUDA (`emulate`), the same buffers, padding and metadata run with an
+makes bs·W. The captured metadata is stamped on the static batch (`ForwardBatch.row_meta`), so the
+tensor-parallel gathers inside the captured forward are sized by exactly what the check compares. On a machine without CUDA (`emulate`), the same buffers, padding and metadata run with an
 eager forward instead of a replay, so the CPU tests exercise everything but the graph itself.
 """
 

@@ -7,7 +7,9 @@ refuses any batch that carries a different binding. There is no shared "current 
 a draft step cannot silently read or write another step's KV. Runners know nothing of speculation:
 the speculative worker composes them. A runner may own a `GraphRunner` (CUDA graphs of its uniform
 forwards): `forward` checks the binding first, then replays a captured graph when the batch fits one
-and runs eagerly otherwise, counting every eager forward by its reason.
+and runs eagerly otherwise, counting every eager forward by its reason. Under tensor parallelism an
+eager forward stamps the batch with the row-count rule's per-rank counts (`row_meta`) before the model
+runs, so every gather of the forward is sized by the rule.
 """
 
 from __future__ import annotations
