@@ -15,8 +15,10 @@ commands:
   bench         offline throughput benchmark vs HF transformers (mleagle bench --help)
   bench serve   online load generator against a running server (mleagle bench serve --help)
   bench gpu     GPU benchmark through Engine.generate: graphs, eager, speculation, HF (mleagle bench gpu --help)
+  bench prefix  prefix cache on against off: TTFT, prompt tokens computed, acceptance (mleagle bench prefix --help)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
   engine-ranks  run this node's tensor-parallel ranks of a multi-node engine (mleagle engine-ranks --help)
+  train-draft   make a draft from the target's own outputs: generate, train, eval, all (mleagle train-draft --help)
 """
 
 
@@ -32,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from mleagle.engine.entrypoints.bench_gpu import main as run
 
         rest = rest[1:]
+    elif cmd == "bench" and rest[:1] == ["prefix"]:
+        from mleagle.engine.entrypoints.bench_prefix import main as run
+
+        rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["serve"]:
         from mleagle.daemon.bench_serve import bench_serve_main as run
 
@@ -42,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from mleagle.daemon.cli import serve_main as run
     elif cmd == "engine-ranks":
         from mleagle.engine.service.ranks import launcher_main as run
+    elif cmd == "train-draft":
+        from mleagle.engine.entrypoints.train_draft import main as run
     else:
         print(f"mleagle: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

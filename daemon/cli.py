@@ -31,6 +31,13 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "max_body_bytes": ("server", "max_body_bytes"),
     "shutdown_timeout": ("server", "shutdown_timeout_s"),
     "restart_engine": ("server", "restart_engine"),
+    "idle_timeout": ("server", "idle_timeout_s"),
+    "body_timeout": ("server", "body_timeout_s"),
+    "write_timeout": ("server", "write_timeout_s"),
+    "stream_buffer_tokens": ("server", "stream_buffer_tokens"),
+    "engine_ping_interval": ("server", "engine_ping_interval_s"),
+    "engine_ping_timeout": ("server", "engine_ping_timeout_s"),
+    "events_include_text": ("server", "events_include_text"),
     "device": ("engine", "device"),
     "dtype": ("engine", "dtype"),
     "draft": ("engine", "draft"),
@@ -43,6 +50,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
+    "enable_prefix_cache": ("engine", "enable_prefix_cache"),
     "tp": ("engine", "tp_size"),
     "tp_layout": ("engine", "tp_layout"),
     "draft_tp": ("engine", "draft_tp"),
@@ -72,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--max-context-len", type=int, default=None)
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
+                    default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
     add_tp_args(ap)
@@ -80,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shutdown-timeout", type=float, default=None, help="seconds a SIGTERM drain waits")
     ap.add_argument("--restart-engine", action=argparse.BooleanOptionalAction, default=None,
                     help="restart a dead engine (default) or exit non-zero (--no-restart-engine)")
+    ap.add_argument("--idle-timeout", type=float, default=None,
+                    help="seconds a connection may take to send a request head (after opening or a response)")
+    ap.add_argument("--body-timeout", type=float, default=None, help="seconds to receive a request body (else 408)")
+    ap.add_argument("--write-timeout", type=float, default=None,
+                    help="seconds a client may leave one write unread before it is disconnected")
+    ap.add_argument("--stream-buffer-tokens", type=int, default=None,
+                    help="generated tokens held for a client that is not reading, before its request is stopped")
+    ap.add_argument("--engine-ping-interval", type=float, default=None, help="seconds between engine pings")
+    ap.add_argument("--engine-ping-timeout", type=float, default=None,
+                    help="seconds of engine silence before it is declared frozen and restarted (0: never)")
+    ap.add_argument("--events-include-text", action="store_true", default=None,
+                    help="put token ids, text and logprobs of every request in /v1/events (off: counts only)")
     ap.add_argument("--access-log", action="store_true")
     ap.add_argument("--log-level", default="INFO")
     return ap

@@ -1,13 +1,19 @@
 """The daemon's side of the engine: spawn and supervise the engine process, route its outputs.
 
-`EngineClient.start()` creates a private 0700 run dir, binds a PUSH (requests) and a PULL (outputs)
-socket there per engine generation, spawns `python -m mleagle.engine.service.process` and waits for its
+`EngineClient` creates a private (0700) run dir `mleagle-run-<daemon pid>-*` under the temp folder,
+first removing the run dirs of daemons that are gone (a daemon killed with SIGKILL runs no cleanup;
+its engine removes the dir as it exits, and this sweep catches what is left when both died). Per
+engine generation it binds a PUSH (requests) and a PULL (outputs) socket there, spawns
+`python -m mleagle.engine.service.process`, hands it the configuration on stdin (never a file, and
+without the API key; the key's environment variable is not inherited either) and waits for its
 `Ready`. Each request registers a sink (an asyncio queue shared by the n choices of one HTTP request)
 and gets its `RequestOutput` deltas there as `(tag, output)`; an engine-side refusal arrives as
 `(tag, EngineRequestFailed)`. If the process dies, every request in flight gets an `EngineDead`
 error at once, the state turns `dead` (so `/health` says 503), and the engine is restarted with
 backoff, or `on_fatal` is called so the server exits non-zero (`server.restart_engine = false`).
-A background pinger keeps pool usage and counters fresh and notices an engine that stops answering.
+A watchdog pings the engine every `ping_interval_s` (the pongs also keep pool usage and counters
+fresh); when nothing at all has come back for `ping_timeout_s` the engine is frozen (stopped,
+deadlocked, stuck in a kernel): it is killed and handled exactly like a dead one.
 """
 
 from __future__ import annotations
@@ -47,6 +53,35 @@ from mleagle.engine.contract.protocol import (
 from mleagle.engine.contract.sampling_params import SamplingParams
 
 log = logging.getLogger("mleagle.daemon.engine")
+RUN_PREFIX = "mleagle-run-"
+SECRET_ENV = ("MLEAGLE_API_KEY",)  # never inherited by the engine process
+KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the exit before giving the process up
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_run_dirs(root: str | None = None) -> list[str]:
+    """Remove this user's run dirs whose daemon is gone (its pid is in the name); returns them."""
+    gone = []
+    base = Path(root or tempfile.gettempdir())
+    for p in base.glob(RUN_PREFIX + "*"):
+        try:
+            pid = int(p.name[len(RUN_PREFIX):].split("-", 1)[0])
+            if not p.is_dir() or p.is_symlink() or p.stat().st_uid != os.getuid() or _pid_alive(pid):
+                continue
+        except (ValueError, OSError):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(str(p))
+    return gone
 
 
 class EngineUnavailable(Exception):
@@ -86,6 +121,7 @@ class _Gen:
     pull: zmq.asyncio.Socket
     events: Any  # ZmqEventSubscriber bound before the engine starts, so no early event is lost
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    ended: bool = False
 
 
 class EngineClient:
@@ -98,7 +134,8 @@ class EngineClient:
         on_state: Callable[[str], None] | None = None,
         on_pong: Callable[[Pong], None] | None = None,
         ready_timeout_s: float = 600.0,
-        ping_interval_s: float = 1.0,
+        ping_interval_s: float | None = None,
+        ping_timeout_s: float | None = None,
     ) -> None:
         self.cfg = cfg
         self.restart = restart
@@ -106,7 +143,9 @@ class EngineClient:
         self.on_state = on_state
         self.on_pong = on_pong
         self.ready_timeout_s = ready_timeout_s
-        self.ping_interval_s = ping_interval_s
+        self.ping_interval_s = ping_interval_s if ping_interval_s is not None else cfg.server.engine_ping_interval_s
+        self.ping_timeout_s = ping_timeout_s if ping_timeout_s is not None else cfg.server.engine_ping_timeout_s
+        self.last_seen = 0.0  # when the engine last sent anything (the watchdog's clock)
         self.state = "stopped"  # starting | ready | dead | stopping | stopped
         self.error: str | None = None  # why the last engine failed
         self.info: Ready | None = None
@@ -115,7 +154,9 @@ class EngineClient:
         self.last_pong: Pong | None = None
         self.last_pong_t = 0.0
         self.reqs: dict[str, _Req] = {}
-        self.run_dir = tempfile.mkdtemp(prefix="mleagle-")  # mkdtemp makes it 0700
+        for d in sweep_stale_run_dirs():
+            log.info("removed the run dir of a daemon that is gone: %s", d)
+        self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")  # mkdtemp makes it 0700
         os.chmod(self.run_dir, 0o700)
         self.ctx = zmq.asyncio.Context()
         self.sync_ctx = zmq.Context()
@@ -176,13 +217,20 @@ class EngineClient:
         from mleagle.engine.contract.event_bus import ZmqEventSubscriber
 
         events = ZmqEventSubscriber(ev_addr, bind=True, ctx=self.ctx)
-        cfg_file = Path(d) / f"g{n}-config.json"
-        cfg_file.write_text(self.cfg.model_dump_json())
-        cmd = [sys.executable, "-m", "mleagle.engine.service.process", "--config-file", str(cfg_file), "--run-dir", d,
+        cmd = [sys.executable, "-m", "mleagle.engine.service.process", "--config-file", "-", "--run-dir", d,
                "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr, "--parent-pid", str(os.getpid())]
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
-        proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, stdin=asyncio.subprocess.PIPE,
+                                                    env=env)
         gen = self.gen = _Gen(n, proc, push, pull, events)
+        assert proc.stdin is not None
+        try:  # the configuration travels on a pipe, without secrets: nothing of it lands on disk
+            proc.stdin.write(self.cfg.for_engine().encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the process died at once; _watch reports it
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         gen.tasks.append(asyncio.create_task(self._recv_loop(gen)))
@@ -201,6 +249,7 @@ class EngineClient:
         if ready.tokenizer_dir:
             tok = await asyncio.to_thread(load_tokenizer, ready.tokenizer_dir)
         self.info, self.tokenizer, self.error = ready, tok, None
+        self.last_seen = time.monotonic()
         log.info("engine %d ready in %.1fs (pid %d): %s", n, time.perf_counter() - t0, proc.pid, ready.model_name)
         self._set_state("ready")
 
@@ -210,6 +259,8 @@ class EngineClient:
                 data = await gen.pull.recv()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            if gen is self.gen:
+                self.last_seen = time.monotonic()  # any message at all is a sign of life
             try:
                 msg = decode_engine_msg(data)
             except ValueError as e:
@@ -249,9 +300,14 @@ class EngineClient:
 
     async def _watch(self, gen: _Gen) -> None:
         rc = await gen.proc.wait()
-        if self._stopping or gen is not self.gen:
+        self._ended(gen, f"engine process exited with code {rc}")
+
+    def _ended(self, gen: _Gen, default_why: str) -> None:
+        """Engine `gen` is gone (exited, or killed as frozen): fail its requests, then restart or give up."""
+        if self._stopping or gen is not self.gen or gen.ended:
             return
-        why = self.error or f"engine process exited with code {rc}"
+        gen.ended = True
+        why = self.error or default_why
         log.error("engine %d died: %s", gen.n, why)
         self.error = why
         if self._ready is not None and not self._ready.done():
@@ -265,6 +321,20 @@ class EngineClient:
             self._restart_task = asyncio.create_task(self._restart_loop())
         elif self.on_fatal is not None:
             self.on_fatal(1)
+
+    async def _frozen(self, gen: _Gen, silent: float) -> None:
+        """The engine has not answered for `silent` seconds: refuse new work at once, kill it (SIGKILL
+        ends a stopped process too), and handle it as dead once it is gone."""
+        self.error = f"the engine stopped responding: nothing received for {silent:.1f}s (ping timeout)"
+        log.error("engine %d (pid %d): %s; killing it", gen.n, gen.proc.pid, self.error)
+        self._set_state("dead")
+        if gen.proc.returncode is None:
+            gen.proc.kill()
+        try:
+            await asyncio.wait_for(asyncio.shield(gen.proc.wait()), KILL_WAIT_S)
+        except asyncio.TimeoutError:
+            log.error("engine pid %d did not exit %.0fs after SIGKILL; giving it up", gen.proc.pid, KILL_WAIT_S)
+        self._ended(gen, self.error)
 
     def _fail_all(self, why: str) -> None:
         reqs, self.reqs = self.reqs, {}
@@ -376,8 +446,16 @@ class EngineClient:
             self._pongs.pop(seq, None)
 
     async def _ping_loop(self) -> None:
+        """The watchdog: a ping per interval, never waited for (a frozen engine must not stall this
+        loop); the engine is frozen once it has sent nothing at all for `ping_timeout_s`."""
         while True:
             await asyncio.sleep(self.ping_interval_s)
-            if self.state == "ready":
-                with contextlib.suppress(EngineUnavailable, asyncio.TimeoutError):
-                    await self.ping(timeout=30.0)
+            gen = self.gen
+            if self.state != "ready" or gen is None or gen.ended:
+                continue
+            self._seq += 1
+            with contextlib.suppress(EngineUnavailable):
+                self._send(Ping(seq=self._seq))
+            silent = time.monotonic() - self.last_seen
+            if self.ping_timeout_s and silent > self.ping_timeout_s:
+                await self._frozen(gen, silent)

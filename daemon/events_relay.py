@@ -3,13 +3,16 @@
 The SUB socket of the current engine generation (bound by the engine client) feeds a `StateTracker`; each WebSocket subscriber first gets a
 `snapshot` event (the current state), then the deltas as JSON text frames, optionally filtered by
 type (`?types=batch,pool`). A subscriber that cannot keep up loses its oldest events (its queue is
-bounded) and is told how many with a `drops` event of stage "relay"; the engine never waits for it.
-The route sits behind the API key like every other route but `/health`.
+bounded) and is told how many with a `drops` event of stage "relay"; the engine never waits for it, and
+one that takes no frame at all within the write timeout is disconnected. What the events say about
+requests is decided in the engine (counts and lifecycle; token text only with
+`server.events_include_text`). The route sits behind the API key like every other route but `/health`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -41,8 +44,9 @@ class _Sub:
 
 
 class EventsRelay:
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, write_timeout_s: float = 30.0) -> None:
         self.client = client
+        self.write_timeout_s = write_timeout_s
         self.tracker = StateTracker()
         self.subs: set[_Sub] = set()
         self.task: asyncio.Task[None] | None = None
@@ -105,28 +109,40 @@ class EventsRelay:
         await ws.prepare(request)
         sub = _Sub(types)
         self.subs.add(sub)
+        # Two tasks, both owned here: whatever ends this handler (the client closing, a dropped
+        # connection cancelling it, a send that times out) cancels and awaits both, so no task is
+        # ever left pending for the garbage collector.
         reader = asyncio.create_task(self._drain_client(ws))
+        getter: asyncio.Task[Any] | None = None
         try:
-            await ws.send_str(dump_event(self.tracker.snapshot()))
+            await self._send(ws, dump_event(self.tracker.snapshot()))
             reported = 0
             while not ws.closed and not reader.done():
-                get = asyncio.create_task(sub.q.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
+                getter = asyncio.create_task(sub.q.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
                     break
-                await ws.send_str(dump_event(get.result()))
+                e, getter = getter.result(), None
+                await self._send(ws, dump_event(e))
                 lost = sum(sub.dropped.values())
                 if lost != reported and (types is None or "drops" in types):
                     reported = lost
-                    await ws.send_str(dump_event(DropsEvent(stage="relay", dropped=dict(sub.dropped))))
-        except (ConnectionResetError, RuntimeError):
+                    await self._send(ws, dump_event(DropsEvent(stage="relay", dropped=dict(sub.dropped))))
+        except (ConnectionResetError, RuntimeError, asyncio.TimeoutError):
             pass
         finally:
             self.subs.discard(sub)
-            reader.cancel()
-            await ws.close()
+            for t in (getter, reader):
+                if t is not None:
+                    t.cancel()
+            await asyncio.gather(*(t for t in (getter, reader) if t is not None), return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), 1.0)
         return ws
+
+    async def _send(self, ws: web.WebSocketResponse, text: str) -> None:
+        """A subscriber that does not take a frame within the write timeout is disconnected."""
+        await asyncio.wait_for(ws.send_str(text), self.write_timeout_s)
 
     @staticmethod
     async def _drain_client(ws: web.WebSocketResponse) -> None:

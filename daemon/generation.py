@@ -6,6 +6,13 @@ metrics as tokens arrive, and yields `Delta`s for the route to format (OpenAI ch
 Engine refusals and engine death surface as `APIError`s (400 for an input the engine rejects, 503 if
 the engine died). `close()` aborts whatever has not finished: the route calls it in a `finally`, so a
 client that disconnects (aiohttp cancels the handler) frees its slots in the engine.
+
+The queue is bounded in what matters, tokens: when more than `buffer_tokens` generated tokens wait in
+it while the route is blocked writing to its client (the client stopped reading), the engine requests
+are aborted at once and the route gets a `client_too_slow` error after what it already has.
+`fail(err)` ends a generation from outside (the server's drain deadline) the same way. Engine request
+ids are internal (`<uuid>-<choice>`): a client-chosen `rid` names the response only, so nothing a
+client typed reaches the engine's state events.
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ class Choice:
     asm: TextAssembler | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     spec: SpecStats | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    counts_prompt: bool = True  # this choice's prompt counts in the usage block (once per prompt with n > 1)
     t_last: float | None = None
     submitted: bool = False
 
@@ -50,6 +60,39 @@ class Choice:
         return self.asm.text if self.asm is not None else ""
 
 
+class OutputQueue(asyncio.Queue[tuple[int, Any]]):
+    """The generation's sink: counts the tokens waiting in it, and calls `on_overflow` once more than
+    `limit` wait while the route is stuck writing to its client (`writing`): a daemon that is merely
+    busy (a shared CPU) also lags, but it is not blocked by the client, and is never cut for that."""
+
+    def __init__(self, limit: int, on_overflow: Any) -> None:
+        super().__init__()
+        self.limit = limit
+        self.on_overflow = on_overflow
+        self.pending = 0
+        self.writing = False  # the route awaits a write its client has not taken yet
+        self.overflowed = False
+
+    def _put(self, item: tuple[int, Any]) -> None:
+        super()._put(item)
+        if isinstance(item[1], RequestOutput):
+            self.pending += len(item[1].token_ids)
+            self.check()
+
+    def check(self) -> None:
+        """Called as outputs arrive, and by the route once a write has suspended (its client is not
+        taking it): more than `limit` tokens waiting then means the client is the one holding them."""
+        if self.writing and self.pending > self.limit and not self.overflowed:
+            self.overflowed = True
+            self.on_overflow()
+
+    def _get(self) -> tuple[int, Any]:
+        item = super()._get()
+        if isinstance(item[1], RequestOutput):
+            self.pending -= len(item[1].token_ids)
+        return item
+
+
 @dataclass
 class Delta:
     choice: Choice
@@ -57,23 +100,28 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Generation:
-    def __init__(self, client: EngineClient, metrics: Metrics, tokenizer: Any, request_id: str | None = None) -> None:
+    def __init__(self, client: EngineClient, metrics: Metrics, tokenizer: Any, buffer_tokens: int = 1 << 30) -> None:
         self.client = client
         self.metrics = metrics
         self.tok = tokenizer
-        self.id = request_id or uuid.uuid4().hex
+        # The engine's request ids derive from `rid`, never chosen by a client; the response's `id`
+        # starts as the same value (so a response can be found in the state events), and a route may
+        # prefix it ("chatcmpl-") or replace it with a client's rid.
+        self.rid = uuid.uuid4().hex
+        self.id = self.rid
         self.t0 = time.perf_counter()
         self.choices: list[Choice] = []
-        self.sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.sink = OutputQueue(buffer_tokens, self._overflow)
         self.prompt_tokens = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, count_prompt: bool = True) -> Choice:
         i = len(self.choices)
         asm = TextAssembler(self.tok, prompt_ids, params.stop, params.skip_special_tokens) if self.tok is not None else None
-        c = Choice(i, f"{self.id}-{i}", prompt_ids, params, asm)
+        c = Choice(i, f"{self.rid}-{i}", prompt_ids, params, asm, counts_prompt=count_prompt)
         self.choices.append(c)
         if count_prompt:
             self.prompt_tokens += len(prompt_ids)
@@ -88,18 +136,33 @@ class Generation:
         except EngineUnavailable as e:
             self.close()
             raise APIError(503, f"the engine is not available: {e}", headers={"Retry-After": "2"}) from None
-        except ValueError as e:  # a client-chosen request id already in flight
-            self.close()
-            raise APIError(400, str(e), param="rid") from None
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted like `prompt_tokens` (once per prompt)."""
+        return sum(c.num_cached_tokens for c in self.choices if c.counts_prompt)
+
     def close(self) -> None:
         for c in self.choices:
-            if c.submitted and not c.finished:  # never another request's rid (a duplicate was refused)
+            if c.submitted and not c.finished:
                 self.client.abort(c.rid)
+
+    def fail(self, err: APIError) -> None:
+        """End every unfinished choice with `err`: the engine requests are aborted now, and the route
+        raises `err` once it has taken what came before it from the queue."""
+        self.close()
+        for c in self.choices:
+            if not c.finished:
+                self.sink.put_nowait((c.index, err))
+
+    def _overflow(self) -> None:
+        n = self.sink.pending
+        self.fail(APIError(503, f"the client is not reading its stream: {n} generated tokens could not be sent; "
+                                "the request was stopped", code="client_too_slow"))
 
     def _apply(self, c: Choice, o: RequestOutput) -> Delta:
         now = time.perf_counter()
@@ -117,7 +180,10 @@ class Generation:
         c.token_ids.extend(o.token_ids)
         lps = o.logprobs or []
         c.logprobs.extend(lps)
+        if o.prompt_logprobs is not None:
+            c.prompt_logprobs = (c.prompt_logprobs or []) + list(o.prompt_logprobs)
         c.num_output_tokens = max(o.num_output_tokens, len(c.token_ids))
+        c.num_cached_tokens = o.num_cached_tokens
         text = c.asm.push(o.token_ids) if c.asm is not None else ""
         if o.finished:
             if o.finish_reason == "error":
@@ -127,13 +193,15 @@ class Generation:
             c.finish_reason = o.finish_reason or "stop"
             c.matched_stop = o.matched_stop
             c.spec = o.spec
-            m.observe_finished(c.finish_reason, len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec)
+            m.observe_finished(c.finish_reason, len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec,
+                               o.num_cached_tokens)
         elif c.asm is not None and c.asm.stopped:
             # The daemon saw a stop string the engine has not acted on yet: end the choice here.
             self.client.abort(c.rid)
             c.finish_reason = "stop"
-            m.observe_finished("stop", len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec)
-        return Delta(c, text, list(o.token_ids), lps, c.finished)
+            m.observe_finished("stop", len(c.prompt_ids), c.num_output_tokens, now - self.t0, o.spec,
+                               o.num_cached_tokens)
+        return Delta(c, text, list(o.token_ids), lps, c.finished, o.prompt_logprobs)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas in arrival order until every choice has finished."""
@@ -144,12 +212,15 @@ class Generation:
                 continue
             if isinstance(item, EngineRequestFailed):
                 c.finish_reason = "error"
-                if item.kind == "input":
-                    raise APIError(400, item.message, param="prompt")
-                raise APIError(500, item.message, type="server_error")
+                if item.kind == "input":  # the engine refused it; its message says why
+                    raise APIError(400, str(item), code="engine_refused")
+                raise APIError(500, str(item), type="server_error")
             if isinstance(item, EngineDead):
                 c.finish_reason = "error"
                 raise APIError(503, str(item), code="engine_dead", headers={"Retry-After": "5"})
+            if isinstance(item, APIError):
+                c.finish_reason = "error"
+                raise item
             yield self._apply(c, item)
 
     async def run(self) -> None:

@@ -3,14 +3,18 @@
 `serve(cfg)` starts the aiohttp app (uvloop when installed) and returns the process exit code.
 SIGTERM or SIGINT starts a drain: the listening socket closes (new connections are refused), new
 requests on open connections get 503, requests in flight run to completion for up to
-`server.shutdown_timeout_s`, then whatever is left is aborted, the engine is asked to exit (killed if it
-does not) and the run dir removed; the exit code is 0. A second signal skips the wait. If the engine
+`server.shutdown_timeout_s`, then whatever is left is failed (a stream gets a `shutting_down` error
+event before `[DONE]`, a plain request a 503) and aborted, the engine is asked to exit (killed if it
+does not) and the run dir removed; the exit code is 0. aiohttp's keep-alive timer is the idle
+timeout: a connection that has not sent a complete request head within `server.idle_timeout_s` of
+opening or of its last response is closed, which ends slowloris connections as well as idle ones. A second signal skips the wait. If the engine
 dies and `server.restart_engine` is false, or it cannot start at all, the exit code is 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
@@ -21,11 +25,13 @@ import time
 
 from aiohttp import web
 
+from mleagle.daemon.errors import APIError
 from mleagle.daemon.server import SRV, create_app
 from mleagle.engine.contract.config import MleagleConfig
 
 log = logging.getLogger("mleagle.daemon")
 CLEANUP_S = 30  # closing connections (2 s) and stopping the engine (10 s, then kill) fit well inside
+FAIL_GRACE_S = 2.0  # after the drain deadline: time for failed streams to send their error events
 
 
 async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
@@ -42,6 +48,7 @@ async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
     app = create_app(cfg, on_fatal=fatal)
     srv = app[SRV]
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0,
+                           keepalive_timeout=cfg.server.idle_timeout_s,
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
@@ -75,6 +82,13 @@ async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
             await asyncio.wait_for(srv.idle.wait(), cfg.server.shutdown_timeout_s)
         except asyncio.TimeoutError:
             log.warning("drain deadline passed with %d requests in flight: aborting them", srv.active)
+    if srv.active:
+        # Fail what is left through the normal error path, so every stream ends with an error event
+        # and [DONE] instead of being cut by the connection close below.
+        srv.fail_inflight(APIError(503, "the server is shutting down: the drain deadline passed before this "
+                                        "request finished", code="shutting_down"))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(srv.idle.wait(), FAIL_GRACE_S)
     log.info("drained; closing connections and stopping the engine")
     # Safety net: whatever happens below (a stuck close, a thread that never ends), the process exits.
     watchdog = threading.Timer(CLEANUP_S + 15, _hard_exit, (code[0],))

@@ -2,7 +2,9 @@
 
 Request counters and latency histograms are observed by the daemon as deltas arrive (TTFT from
 request arrival, inter-token latency per emitted token, end-to-end at finish). Pool occupancy per
-runner comes from the engine's pongs. Speculative counters follow vLLM's names with position = draft
+runner comes from the engine's pongs (with the prefix cache's cached and evictable slots). Prefix-cache
+queries and hits count prompt tokens, as vLLM's `prefix_cache_queries`/`prefix_cache_hits` do, observed
+when a request finishes. Speculative counters follow vLLM's names with position = draft
 layer (`mleagle:spec_decode_num_accepted_tokens_per_pos{position}`) and are summed from the per-request
 statistics the engine hands back with each finished request; the acceptance length and rate gauges
 (SGLang style) and the per-layer draft overhead are derived from those sums. One registry per app, so
@@ -48,7 +50,11 @@ class Metrics:
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency", lab, buckets=E2E_BUCKETS, registry=r)
         self.req_prompt = Histogram(P + "request_prompt_tokens", "Prompt length per request", lab, buckets=TOK_BUCKETS, registry=r)
         self.req_gen = Histogram(P + "request_generation_tokens", "Generated tokens per request", lab, buckets=TOK_BUCKETS, registry=r)
-        self.kv_used = Gauge(P + "kv_pool_used_tokens", "KV slots in use per runner", ["runner"], registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", lab, registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache", lab, registry=r)
+        self.kv_used = Gauge(P + "kv_pool_used_tokens", "KV slots held by requests per runner", ["runner"], registry=r)
+        self.kv_cached = Gauge(P + "kv_pool_cached_tokens", "KV slots the prefix cache holds per runner", ["runner"], registry=r)
+        self.kv_evictable = Gauge(P + "kv_pool_evictable_tokens", "Cached KV slots no request uses per runner", ["runner"], registry=r)
         self.kv_total = Gauge(P + "kv_pool_total_tokens", "KV slots per runner", ["runner"], registry=r)
         self.kv_usage = Gauge(P + "kv_cache_usage_perc", "KV pool usage per runner (0-1)", ["runner"], registry=r)
         self.req_used = Gauge(P + "req_pool_used", "Request slots in use per runner", ["runner"], registry=r)
@@ -78,12 +84,16 @@ class Metrics:
         self.model = name
         for m in (self.prompt_tokens, self.gen_tokens, self.running, self.waiting, self.ttft, self.itl, self.e2e,
                   self.req_prompt, self.req_gen, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
-                  self.spec_accept_len, self.spec_accept_rate, self.spec_draft_time, self.spec_verify_time):
+                  self.spec_accept_len, self.spec_accept_rate, self.spec_draft_time, self.spec_verify_time,
+                  self.prefix_queries, self.prefix_hits):
             m.labels(name)
 
-    def observe_finished(self, reason: str, prompt_tokens: int, gen_tokens: int, e2e: float, spec: SpecStats | None) -> None:
+    def observe_finished(self, reason: str, prompt_tokens: int, gen_tokens: int, e2e: float, spec: SpecStats | None,
+                         cached_tokens: int = 0) -> None:
         m = self.model
         self.requests.labels(m, reason).inc()
+        self.prefix_queries.labels(m).inc(prompt_tokens)
+        self.prefix_hits.labels(m).inc(cached_tokens)
         self.req_prompt.labels(m).observe(prompt_tokens)
         self.req_gen.labels(m).observe(gen_tokens)
         self.e2e.labels(m).observe(e2e)
@@ -121,6 +131,8 @@ class Metrics:
             self.kv_used.labels(r).set(used)
             self.kv_total.labels(r).set(total)
             self.kv_usage.labels(r).set(used / total if total else 0.0)
+            self.kv_cached.labels(r).set(float(u.get("kv_cached", 0)))
+            self.kv_evictable.labels(r).set(float(u.get("kv_evictable", 0)))
             self.req_used.labels(r).set(float(u.get("req_used", 0)))
             self.req_total.labels(r).set(float(u.get("req_total", 0)))
 

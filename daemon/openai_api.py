@@ -11,14 +11,24 @@ accepted: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from mleagle.daemon.errors import APIError
-from mleagle.engine.contract.sampling_params import MAX_LOGPROBS, SamplingParams
+from mleagle.engine.contract.sampling_params import (
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+    TokenId,
+)
 
 MAX_N = 16
+# A JSON number and nothing else: OpenAI's schema types these as numbers, so "0.5" and true are
+# refused like a string in an integer field; NaN and infinities are refused too.
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
@@ -33,20 +43,20 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: Number | None = Field(None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63 - MAX_N)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    min_tokens: StrictInt = Field(0, ge=0)
+    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Number | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[Annotated[TokenId, Field(strict=True)]] | None = None
     skip_special_tokens: StrictBool = True
     logit_bias: dict[str, float] | None = None
     user: StrictStr | None = None
@@ -62,6 +72,13 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any) -> Any:
+        # OpenAI's completions default is 16 whether max_tokens is absent or null; null must not mean
+        # "the rest of the context" here (chat differs: there an absent max_tokens means exactly that).
+        return 16 if v is None else v
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     best_of: StrictInt | None = None

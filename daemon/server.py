@@ -3,16 +3,22 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI; JSON or SSE streaming),
 `GET /v1/models`, `GET /health` (no API key), `GET /metrics` (Prometheus), `POST /generate` (native),
 `GET /v1/events` (state events over WebSocket), `GET /debug/engine` (fresh pool usage and counters).
-One middleware checks the API key, turns every failure into an OpenAI error body and counts HTTP
-statuses. Admission control happens before the engine sees a request: the server answers 503 while
-the engine is down or the server drains, and 429 with `Retry-After` once running + queued requests
-reach `max_running_requests + max_queued_requests`. A streamed response sends its headers only with
-its first delta, so a request the engine refuses still gets its proper status code.
+One middleware checks the API key (as bytes: a header that is not UTF-8 is just a wrong key), turns
+every failure into an OpenAI error body, counts HTTP statuses, and writes every plain response under
+`write_timeout_s`. Bodies are read by `body.read_json` (size, time, strict JSON). Admission control
+happens before the engine sees a request: the server answers 503 while the engine is down or the
+server drains, and 429 with `Retry-After` once running + queued requests reach
+`max_running_requests + max_queued_requests`. A streamed response sends its headers only with its
+first delta, so a request the engine refuses still gets its proper status code; after that, an error
+is sent as an `{"error": ...}` event before `[DONE]`, also when the stream is cut (a client that stops
+reading, the drain deadline of a shutdown). Chat prompts are tokenized by `Tokenizer.encode_chat`:
+special-token text inside messages is plain text, only the template's own markers are special.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -26,6 +32,12 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # aiohttp's own dependency before 3.11
+    from async_timeout import timeout
+
+from mleagle.daemon.body import read_json
 from mleagle.daemon.engine_client import EngineClient, EngineUnavailable
 from mleagle.daemon.errors import APIError, from_validation
 from mleagle.daemon.events_relay import EventsRelay
@@ -57,12 +69,15 @@ class Server:
             on_state=lambda s: self.metrics.engine_up.set(1 if s == "ready" else 0),
             on_pong=self._on_pong,
         )
-        self.events = EventsRelay(self.client)
+        self.events = EventsRelay(self.client, cfg.server.write_timeout_s)
         self.draining = False
         self.active = 0  # HTTP requests with a generation in flight (what a drain waits for)
         self.idle = asyncio.Event()
         self.idle.set()
+        self.gens: set[Generation] = set()  # generations in flight (what a drain deadline fails)
         self.max_inflight = cfg.engine.max_running_requests + cfg.server.max_queued_requests
+        k = cfg.server.key()
+        self.api_key = k.encode() if k else None
         self._tok_cache: dict[int, str] = {}
         self._start_task: asyncio.Task[None] | None = None
 
@@ -121,25 +136,37 @@ class Server:
                            param="model", code="model_not_found")
 
     def budget(self, prompt_len: int, max_tokens: int | None) -> int:
-        """max_new_tokens for a prompt: what the client asked for, checked against the context."""
+        """max_new_tokens for a prompt: what the client asked for (or all the room there is), checked
+        against the context and against what one request may hold in the engine's KV pool."""
         ctx = self.max_context
-        if prompt_len >= ctx:
-            raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {ctx} tokens",
-                           param="prompt", code="context_length_exceeded")
+        info = self.client.info
+        pool = info.max_request_tokens if info is not None else None
+        limit, what = ctx, f"this model's context is {ctx} tokens"
+        if pool is not None and pool < ctx:
+            limit, what = pool, f"one request may hold {pool} tokens in this server's KV pool"
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; {what}", param="prompt",
+                           code="context_length_exceeded")
         if max_tokens is None:
-            return ctx - prompt_len
-        if prompt_len + max_tokens > ctx:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            asked = str(max_tokens) if max_tokens < 10**12 else f"a {len(str(max_tokens))}-digit number"
             raise APIError(
                 400,
-                f"this model's context is {ctx} tokens; the prompt is {prompt_len} tokens and max_tokens is "
-                f"{max_tokens} ({prompt_len + max_tokens} in all): lower max_tokens or shorten the prompt",
+                f"{what}; the prompt is {prompt_len} tokens and max_tokens is {asked}: lower max_tokens or "
+                "shorten the prompt",
                 param="max_tokens", code="context_length_exceeded",
             )
         return max_tokens
 
-    def need_tokenizer(self, what: str) -> Any:
+    def check_stops(self, params: SamplingParams, param: str) -> None:
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer and this model has none: use stop_token_ids",
+                           param=param)
+
+    def need_tokenizer(self, what: str, param: str = "prompt") -> Any:
         if self.tokenizer is None:
-            raise APIError(400, f"{what} needs a tokenizer and this model has none: send token ids", param="prompt")
+            raise APIError(400, f"{what} needs a tokenizer and this model has none: send token ids", param=param)
         return self.tokenizer
 
     def encode(self, text: str, special: bool) -> list[int]:
@@ -172,7 +199,14 @@ class Server:
         return s
 
     def generation(self) -> Generation:
-        return Generation(self.client, self.metrics, self.tokenizer)
+        return Generation(self.client, self.metrics, self.tokenizer, self.cfg.server.stream_buffer_tokens)
+
+    def fail_inflight(self, err: APIError) -> int:
+        """End every generation in flight with `err` (its stream gets the error event); returns how many."""
+        gens = list(self.gens)
+        for g in gens:
+            g.fail(err)
+        return len(gens)
 
     def enter(self) -> None:
         self.active += 1
@@ -187,27 +221,6 @@ class Server:
 # ---- body parsing -------------------------------------------------------------------------------
 
 
-async def read_json(request: web.Request, srv: Server) -> dict[str, Any]:
-    limit = srv.cfg.server.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"request body is {request.content_length} bytes; the limit is {limit}", code="body_too_large")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return body
-
-
 def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
@@ -218,7 +231,7 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
 async def admit(request: web.Request, model: type[BaseModel]) -> tuple[Server, Any]:
     """The checks every generation route starts with: body, schema, values, served model, engine up."""
     srv = request.app[SRV]
-    req = parse(model, await read_json(request, srv))
+    req = parse(model, await read_json(request, srv.cfg.server.max_body_bytes, srv.cfg.server.body_timeout_s))
     req.check()
     if hasattr(req, "model"):
         srv.check_model(req.model)
@@ -226,16 +239,19 @@ async def admit(request: web.Request, model: type[BaseModel]) -> tuple[Server, A
     return srv, req
 
 
-def sampling(req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
+def sampling(srv: Server, req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
     try:
-        return to_sampling_params(req, budget, index)
+        params = to_sampling_params(req, budget, index)
     except ValidationError as e:  # constraints only SamplingParams knows (e.g. empty or too many stops)
         raise from_validation(e) from None
+    srv.check_stops(params, "stop")
+    return params
 
 
-def _usage(gen: Generation) -> dict[str, int]:
+def _usage(gen: Generation) -> dict[str, Any]:
     c = gen.completion_tokens
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": c, "total_tokens": gen.prompt_tokens + c}
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": c, "total_tokens": gen.prompt_tokens + c,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 # ---- logprob formatting -------------------------------------------------------------------------
@@ -270,45 +286,119 @@ def spec_stats(c: Choice) -> dict[str, Any] | None:
 # ---- SSE ------------------------------------------------------------------------------------------
 
 
-class SSE:
-    """A server-sent-events response prepared lazily, on the first chunk."""
+class ClientTooSlow(Exception):
+    """A write to the client did not complete within `write_timeout_s`."""
 
-    def __init__(self, request: web.Request) -> None:
+
+async def _queue_write(write: Any) -> None:
+    """Start a write and stop waiting for it once it has queued its bytes. aiohttp frames and hands the
+    bytes to the transport synchronously, before it waits for the client to drain them; so the bytes
+    go out if the client ever reads again, and nothing here waits on a client that does not."""
+    t = asyncio.ensure_future(write)
+    done, _ = await asyncio.wait({t}, timeout=0.05)
+    if not done:
+        t.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await t
+
+
+class SSE:
+    """A server-sent-events response prepared lazily, on the first chunk. Each write must complete
+    within `timeout` seconds, or the client is too slow (`ClientTooSlow`)."""
+
+    def __init__(self, request: web.Request, timeout: float) -> None:
         self.request = request
+        self.timeout = timeout
         self.resp: web.StreamResponse | None = None
 
-    async def send(self, obj: Any) -> None:
-        if self.resp is None:
-            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no"})
-            await self.resp.prepare(self.request)
+    @staticmethod
+    def frame(obj: Any) -> bytes:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-        await self.resp.write(f"data: {data}\n\n".encode())
+        return f"data: {data}\n\n".encode()
+
+    async def send(self, obj: Any) -> None:
+        # `timeout` (not wait_for, which runs the write in a task of its own): a write the client takes
+        # completes without suspending this task.
+        try:
+            async with timeout(self.timeout):
+                if self.resp is None:
+                    self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                            "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                    await self.resp.prepare(self.request)
+                await self.resp.write(self.frame(obj))
+        except asyncio.TimeoutError:
+            raise ClientTooSlow from None
 
     async def close(self) -> web.StreamResponse:
-        await self.send("[DONE]")
+        try:
+            await self.send("[DONE]")
+            assert self.resp is not None
+            await asyncio.wait_for(self.resp.write_eof(), self.timeout)
+        except (ClientTooSlow, asyncio.TimeoutError):
+            self._drop()
         assert self.resp is not None
-        await self.resp.write_eof()
         return self.resp
+
+    async def cut(self, err: APIError) -> web.StreamResponse:
+        """End the stream now with `err`: the error event and `[DONE]` are queued without waiting, and a
+        client that has not taken them within the write timeout is disconnected."""
+        assert self.resp is not None
+        self.resp.force_close()
+        await _queue_write(self.resp.write(self.frame(err.body()) + self.frame("[DONE]")))
+        transport = self.request.transport
+        if transport is not None:
+            asyncio.get_running_loop().call_later(self.timeout, transport.abort)
+        return self.resp
+
+    def _drop(self) -> None:
+        if self.resp is not None:
+            self.resp.force_close()
+        if self.request.transport is not None:
+            self.request.transport.abort()
 
 
 async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta], list[dict[str, Any]]],
                  tail: Callable[[], list[dict[str, Any]]]) -> web.StreamResponse:
     """Run `gen`, sending `chunks(delta)` per delta and `tail()` at the end; an error after the headers
-    went out is sent as an `{"error": ...}` event (OpenAI's convention) before `[DONE]`."""
-    sse = SSE(request)
+    went out is sent as an `{"error": ...}` event (OpenAI's convention) before `[DONE]`. A client that
+    does not take a write within `write_timeout_s` has its request stopped and its stream cut the same
+    way, with a `client_too_slow` error event."""
+    srv = request.app[SRV]
+    sse = SSE(request, srv.cfg.server.write_timeout_s)
     try:
-        async for d in gen.deltas():
-            for ch in chunks(d):
-                await sse.send(ch)
-    except APIError as e:
-        if sse.resp is None:
-            raise
-        await sse.send(e.body())
+        try:
+            loop = asyncio.get_running_loop()
+            async for d in gen.deltas():
+                for ch in chunks(d):
+                    # A write that the client takes completes without suspending; one that suspends
+                    # waits for the client, and the check scheduled here runs only then.
+                    gen.sink.writing = True
+                    check = loop.call_soon(gen.sink.check)
+                    try:
+                        await sse.send(ch)
+                    finally:
+                        gen.sink.writing = False
+                        check.cancel()
+        except APIError as e:
+            if sse.resp is None:
+                raise
+            log.warning("stream %s ended with an error: %s", gen.id, e.message)
+            if e.code == "client_too_slow":
+                return await sse.cut(e)
+            await sse.send(e.body())
+            return await sse.close()
+        for ch in tail():
+            await sse.send(ch)
         return await sse.close()
-    for ch in tail():
-        await sse.send(ch)
-    return await sse.close()
+    except ClientTooSlow:
+        err = APIError(503, f"the client did not read its stream for {sse.timeout:g}s; the request was stopped",
+                       code="client_too_slow")
+        log.warning("stream %s: %s", gen.id, err.message)
+        gen.close()
+        if sse.resp is None:
+            sse._drop()
+            raise err from None
+        return await sse.cut(err)
 
 
 # ---- routes ---------------------------------------------------------------------------------------
@@ -330,31 +420,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for ids in prompts:
         budget = srv.budget(len(ids), req.max_tokens)
         for j in range(req.n):
-            gen.add(ids, sampling(req, budget, j), count_prompt=j == 0)
+            gen.add(ids, sampling(srv, req, budget, j), count_prompt=j == 0)
     return await run_generation(request, srv, gen, req, _completion_format(srv, gen, req))
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     srv, req = await admit(request, ChatRequest)
-    tok = srv.need_tokenizer("chat")
-    try:
-        text = tok.apply_chat_template(req.messages_dicts(), add_generation_prompt=req.add_generation_prompt)
-    except APIError:
-        raise
-    except Exception as e:
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    ids = await srv.aencode(text, False)
+    tok = srv.need_tokenizer("chat", "messages")
+    msgs = req.messages_dicts()
+
+    def encode() -> list[int]:
+        try:
+            return tok.encode_chat(msgs, add_generation_prompt=req.add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    # Long conversations are tokenized off the event loop (a 1 MB prompt takes ~0.4 s).
+    ids = await asyncio.to_thread(encode) if sum(len(m["content"]) for m in msgs) > 8192 else encode()
     budget = srv.budget(len(ids), req.max_completion_tokens or req.max_tokens)
     gen = srv.generation()
     gen.id = "chatcmpl-" + gen.id
     for j in range(req.n):
-        gen.add(ids, sampling(req, budget, j), count_prompt=j == 0)
+        gen.add(ids, sampling(srv, req, budget, j), count_prompt=j == 0)
     return await run_generation(request, srv, gen, req, _chat_format(srv, gen, req))
 
 
 async def run_generation(request: web.Request, srv: Server, gen: Generation, req: Any, fmt: Any) -> web.StreamResponse:
     srv.admit(len(gen.choices))
     srv.enter()
+    srv.gens.add(gen)
     try:
         gen.submit()
         if req.stream:
@@ -363,6 +459,7 @@ async def run_generation(request: web.Request, srv: Server, gen: Generation, req
         return web.json_response(fmt.full(), dumps=lambda o: json.dumps(o, ensure_ascii=False))
     finally:
         gen.close()  # aborts unfinished choices: the client left, or an error cut the request short
+        srv.gens.discard(gen)
         srv.leave()
 
 
@@ -472,26 +569,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise err from None
     params.max_new_tokens = srv.budget(len(ids), params.max_new_tokens if "max_new_tokens" in sp else None)
     params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+    srv.check_stops(params, "sampling_params.stop")
     gen = srv.generation()
     if req.rid:
-        gen.id = req.rid
+        gen.id = req.rid  # names the response only; the engine gets an id of the daemon's own
     c0 = gen.add(ids, params)
 
     def meta(c: Choice) -> dict[str, Any]:
         m: dict[str, Any] = {"id": gen.id, "prompt_tokens": len(ids), "completion_tokens": c.num_output_tokens,
-                             "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
+                             "cached_tokens": c.num_cached_tokens, "finish_reason": c.finish_reason,
+                             "matched_stop": c.matched_stop}
         if req.spec_stats:
             m["spec"] = spec_stats(c)
         return m
 
+    def one(x: TokenLogprob | None) -> list[Any] | None:
+        return None if x is None else [x.token_id, x.logprob, [list(t) for t in x.top]]
+
     def lp(lps: list[TokenLogprob]) -> list[Any] | None:
-        return [[x.token_id, x.logprob, [list(t) for t in x.top]] for x in lps] if params.logprobs is not None else None
+        return [one(x) for x in lps] if params.logprobs is not None else None
+
+    def plp(lps: list[TokenLogprob | None] | None) -> dict[str, Any]:
+        # prompt_logprobs: one entry per prompt token, [id, logprob, top] (None for the first token)
+        return {"prompt_logprobs": [one(x) for x in lps or []]} if params.prompt_logprobs is not None else {}
 
     class fmt:
         @staticmethod
         def chunks(d: Delta) -> list[dict[str, Any]]:
             return [{"text": d.text, "token_ids": d.token_ids, "logprobs": lp(d.logprobs), "finished": d.finished,
-                     "meta_info": meta(d.choice) if d.finished else None}]
+                     "meta_info": meta(d.choice) if d.finished else None,
+                     **(plp(d.prompt_logprobs) if d.prompt_logprobs is not None else {})}]
 
         @staticmethod
         def tail() -> list[dict[str, Any]]:
@@ -499,7 +606,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
         @staticmethod
         def full() -> dict[str, Any]:
-            return {"text": c0.text, "token_ids": c0.token_ids, "logprobs": lp(c0.logprobs), "meta_info": meta(c0)}
+            return {"text": c0.text, "token_ids": c0.token_ids, "logprobs": lp(c0.logprobs), **plp(c0.prompt_logprobs),
+                    "meta_info": meta(c0)}
 
     return await run_generation(request, srv, gen, req, fmt)
 
@@ -567,20 +675,42 @@ def _http_error(e: web.HTTPException) -> APIError:
         return APIError(405, "method not allowed for this path", code="method_not_allowed")
     if e.status == 413:
         return APIError(413, "request body too large", code="body_too_large")
-    return APIError(e.status, e.reason or "HTTP error")
+    return APIError(e.status, (e.text or e.reason or "HTTP error").strip())
+
+
+def _authorized(request: web.Request, key: bytes) -> bool:
+    """Constant-time check of `Authorization: Bearer <key>`, on bytes: aiohttp keeps a header's raw
+    bytes as surrogate escapes, so a header that is not UTF-8 is compared as what it is (and fails)."""
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    try:
+        raw = token.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # not a byte a client could have sent
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(raw, key)
+
+
+async def _finish(request: web.Request, resp: web.StreamResponse, timeout: float) -> None:
+    """Write a plain response under the write timeout; a client that does not read it is dropped."""
+    try:
+        await asyncio.wait_for(resp.prepare(request), timeout)
+        await asyncio.wait_for(resp.write_eof(), timeout)
+    except asyncio.TimeoutError:
+        log.warning("%s %s: the client did not read its response for %gs; dropped", request.method, request.path,
+                    timeout)
+        resp.force_close()
+        if request.transport is not None:
+            request.transport.abort()
 
 
 @web.middleware
 async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     srv = request.app[SRV]
-    key = srv.cfg.server.api_key
+    key = srv.api_key
     try:
-        if key and request.path not in PUBLIC:
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if key is not None and request.path not in PUBLIC and not _authorized(request, key):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         resp = await handler(request)
     except APIError as e:
         resp = e.response()
@@ -595,6 +725,10 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         log.exception("unhandled error [%s] on %s %s", rid, request.method, request.path)
         resp = APIError(500, f"internal server error (ref {rid})").response()
     srv.metrics.http.labels(_route_name(request), str(resp.status)).inc()
+    if resp.status == 408:
+        resp.force_close()  # the rest of the body may still come: do not read it as a next request
+    if isinstance(resp, web.Response) and not resp.prepared:
+        await _finish(request, resp, srv.cfg.server.write_timeout_s)
     return resp
 
 

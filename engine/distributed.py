@@ -106,9 +106,6 @@ def current() -> TPGroup:
     return _CURRENT
 
 
-tp = current  # the earlier name (code written before per-layer groups calls `tp().size`, `tp().rank`)
-
-
 def set_current(g: TPGroup) -> None:
     global _CURRENT
     _CURRENT = g

@@ -29,7 +29,8 @@ def prompts(path: str, n: int) -> list[str]:
 
 
 def run(draft: str, boundary_kv: str, texts: list[str], bs: int, n_new: int) -> dict:
-    e = Engine(draft=draft, boundary_kv=boundary_kv, max_running_requests=bs)
+    # recompute needs the prefix cache off; the other runs keep it off too, so all see the same prefills
+    e = Engine(draft=draft, boundary_kv=boundary_kv, max_running_requests=bs, enable_prefix_cache=False)
     sp = SamplingParams(temperature=0.0, max_new_tokens=n_new)
     e.generate([texts[0]], SamplingParams(temperature=0.0, max_new_tokens=4), chat=True)  # warm-up
     if draft != "none":

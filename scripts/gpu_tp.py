@@ -4,7 +4,8 @@
     python scripts/gpu_tp.py --dry-run                                          # CPU, gloo, tiny model
 
 One process is rank 0 of every engine (TP=1 on GPU 0; TP=2 with rank 1 on GPU 1, started by the engine),
-all with CUDA graphs for decode, bfloat16. For TP=1 and for TP=2 in each layout:
+all with CUDA graphs for decode (greedy decode steps replay whole-iteration graphs, collectives inside),
+bfloat16. For TP=1 and for TP=2 in each layout:
 - logits: teacher-forced over random prompts (`prompt_logprobs`: every prompt position's logprob of the
   next prompt token, top-5), the largest |Δ logprob| against TP=1, against a bfloat16 tolerance;
 - greedy tokens over a short horizon against TP=1: equal, or a first divergence only where TP=1's own
@@ -73,14 +74,21 @@ def measure(e: Engine, a: argparse.Namespace, probe: list[list[int]], timing: li
     for bs in a.batch_sizes:
         ps = timing[:bs]
         gen(e, ps, 8)  # warm-up at this batch size
-        replays0 = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
+        fwd0, it0 = replays(e)
         w1, _ = gen(e, ps, a.steps)
         w2, _ = gen(e, ps, 2 * a.steps)
-        replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None) - replays0
+        fwd, it = replays(e)
         step = (w2 - w1) / a.steps
         res["steps"].append({"bs": bs, "ms_per_step": round(1000 * step, 3), "tok_s": round(bs / step, 1),
-                             "graph_replays": replays})
+                             "graph_replays": fwd - fwd0, "iteration_replays": it - it0})
     return res
+
+
+def replays(e: Engine) -> tuple[int, int]:
+    """(per-forward graph replays, whole-iteration graph replays) so far."""
+    fwd = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
+    it = e.worker.iter_graph
+    return fwd, sum(it.stats.replays.values()) if it is not None else 0
 
 
 def compare(ref: dict[str, Any], got: dict[str, Any], tie: float) -> dict[str, Any]:
@@ -197,7 +205,7 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"model {res['model']} ({'dry run: CPU, gloo' if res['dry_run'] else ', '.join(res.get('gpus', []))}), "
              f"{s.get('dtype')}, graphs {'emulated' if res['dry_run'] else 'on'}; greedy horizon {s['horizon']}, "
              f"decode step = (t(2n) - t(n))/n, n = {s['steps']}, prompt {s['prompt_len']} tokens", "",
-             "| run | bs | ms/step | tok/s | x HBM floor | graph replays | teacher-forced max abs dlogprob | top-1 agree | greedy vs TP=1 |",
+             "| run | bs | ms/step | tok/s | x HBM floor | graph replays (forward / iteration) | teacher-forced max abs dlogprob | top-1 agree | greedy vs TP=1 |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for key, r in res["runs"].items():
         c = r.get("vs_tp1")
@@ -208,7 +216,7 @@ def table(res: dict[str, Any]) -> str:
                                                     + (" (near-tie)" if x["near_tie"] else " (NOT a tie)"))
                                                  for x in c["greedy"]))
             lines.append(f"| {key} | {st['bs']} | {st['ms_per_step']} | {st['tok_s']} | {st.get('over_hbm_floor', '-')} | "
-                         f"{st['graph_replays']} | {c['teacher_forced_max_abs_dlogprob'] if c else '-'} | "
+                         f"{st['graph_replays']} / {st['iteration_replays']} | {c['teacher_forced_max_abs_dlogprob'] if c else '-'} | "
                          f"{c['teacher_forced_top1_agree'] if c else '-'} | {g} |")
     lines.append(f"\nok: {res['ok']} (total {res['total_s']} s)")
     return "\n".join(lines)

@@ -66,8 +66,9 @@ async def until(task: asyncio.Task[None], cond: Callable[[], bool], timeout: flo
 
 
 async def main(out: Path) -> None:
+    # --events-include-text: the recording shows each request's tokens and logprobs in the drill-down
     srv = ServerProc("--config", "smollm2-135m", "--draft", "random:2", "--max-total-tokens", "4096",
-                     "--max-running-requests", "4")
+                     "--max-running-requests", "4", "--events-include-text")
     try:
         srv.wait_healthy(120)
         async with aiohttp.ClientSession() as s:

@@ -112,3 +112,37 @@ class ServerProc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+async def raw_http(url: str, data: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes on a fresh connection (headers no HTTP client would build) and read the answer
+    until the server closes the connection or `timeout` passes; returns (status, headers, body)."""
+    import asyncio
+
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        buf = b""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            head, sep, rest = buf.partition(b"\r\n\r\n")
+            if sep:
+                lines = head.decode("latin-1").split("\r\n")
+                hdrs = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                n = int(hdrs.get("content-length", "-1"))
+                if 0 <= n <= len(rest):
+                    return int(lines[0].split()[1]), hdrs, rest[:n]
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), max(0.01, end - loop.time()))
+            except asyncio.TimeoutError:
+                raise AssertionError(f"no complete answer in {timeout}s; got {buf[:300]!r}") from None
+            if not chunk:
+                if sep:
+                    return int(lines[0].split()[1]), hdrs, rest
+                raise AssertionError(f"connection closed before an answer; got {buf[:300]!r}")
+            buf += chunk
+    finally:
+        writer.close()

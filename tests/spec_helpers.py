@@ -44,6 +44,8 @@ def chaos(e: Engine, qk: float = 8.0, head: float = 25.0) -> None:
             n = (a.hq + a.hk) * a.d
             a.qkv_proj.weight[:n] *= qk
         e.model.lm_head.weight *= head
+    if getattr(e, "draft_stack", None) is not None:
+        e.draft_stack.head.refresh()  # a reduced draft vocabulary keeps a copy of the head rows
 
 
 def tiny_engine(draft: str = "none", *, cfg: MleagleConfig | None = None, chaotic: bool = True,
@@ -268,6 +270,6 @@ def pools_touched_ok(before: list[list[torch.Tensor]], pools: Sequence[KVPool], 
 
 
 def all_free(e: Engine) -> bool:
-    a, m = e.allocator, e.mem
-    return (a.num_free_tokens == a.capacity_tokens and len(m.free_reqs) == m.max_reqs
-            and not e.scheduler.reqs and not e.scheduler.running and not e.scheduler.waiting)
+    """Nothing held: every page free or only in the prefix cache (unlocked), every request slot free."""
+    return (not e.mem.idle_problems() and not e.scheduler.reqs and not e.scheduler.running
+            and not e.scheduler.waiting)

@@ -136,6 +136,26 @@ def test_penalties_and_spec_stats_field(srv, oai):
     assert "spec_stats" in c  # None without a draft; the per-request summary with one
 
 
+def test_prefix_cache_usage_and_metrics(srv, oai):
+    """A second turn resending the first hits the prefix cache: OpenAI's usage block reports the cached
+    prompt tokens, and /metrics counts prefix-cache queries and hits in tokens (vLLM's names)."""
+    m1 = chat_msgs("Name three rivers in Europe.")
+    r1 = oai.chat.completions.create(model="smollm2-135m", messages=m1, max_tokens=MT, temperature=0)
+    m2 = [*m1, {"role": "assistant", "content": r1.choices[0].message.content}, *chat_msgs("And in Asia?")]
+    chunks = list(oai.chat.completions.create(model="smollm2-135m", messages=m2, max_tokens=MT, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    u = chunks[-1].usage
+    assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
+    assert r1.usage.prompt_tokens + r1.usage.completion_tokens - 1 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
+    st, text = srv.get("/metrics")
+    assert st == 200
+    vals = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+            if ln.startswith("mleagle:prefix_cache_")}
+    assert vals["mleagle:prefix_cache_queries_total"] >= r1.usage.prompt_tokens + u.prompt_tokens
+    assert vals["mleagle:prefix_cache_hits_total"] >= u.prompt_tokens_details.cached_tokens
+    assert 'mleagle:kv_pool_cached_tokens{runner="target"}' in text
+
+
 async def test_native_generate_and_metrics(srv):
     async with aiohttp.ClientSession(headers=srv.headers) as s:
         async with s.post(srv.url + "/generate", json={"text": "1, 2, 3,", "sampling_params": {

@@ -127,3 +127,56 @@ def test_request_mapping_and_validation():
         CompletionRequest.model_validate({"prompt": ["a", 1]})
     err = from_validation(e.value)
     assert err.status == 422 and err.param == "prompt" and err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_parsing_refuses_hostile_json_with_the_param():
+    from mleagle.daemon.body import HUGE, MAX_DEPTH, parse_json
+    from mleagle.daemon.errors import APIError
+
+    def err(raw: bytes) -> APIError:
+        with pytest.raises(APIError) as e:
+            parse_json(raw)
+        return e.value
+
+    e = err(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert (e.status, e.code) == (400, "json_too_deep")
+    e = err(b'{"tools": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}")
+    assert (e.status, e.code, e.param) == (400, "json_too_deep", "tools")
+    assert parse_json(b'{"tools": ' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}")
+    e = err(b'{"messages": [{"content": "ok"}, {"content": "x\\ud800"}]}')
+    assert (e.status, e.code, e.param) == (400, "invalid_unicode", "messages.1.content")
+    assert parse_json('{"a": "\\ud83d\\ude00 é"}'.encode()) == {"a": "😀 é"}  # a valid pair is fine
+    for raw in (b'{"t": NaN}', b'{"t": Infinity}', b'{"t": -Infinity}'):
+        assert err(raw).code == "invalid_json"
+    assert parse_json(b'{"n": ' + b"7" * 5000 + b', "m": -' + b"1" * 65 + b', "k": 12}') == {"n": HUGE, "m": -HUGE, "k": 12}
+    assert parse_json(b'{"x": 1e999}')["x"] == float("inf")  # finite-only fields refuse it, with their name
+    assert err(b"[1]").code == "invalid_json" and err(b"\xff").code == "invalid_utf8"
+
+
+def test_sampling_params_are_strict_and_safe():
+    from mleagle.engine.contract.sampling_params import GREEDY_TEMPERATURE
+
+    for t in (1e-38, 5e-324, GREEDY_TEMPERATURE / 2, 0):
+        assert SamplingParams(temperature=t).temperature == 0.0 and SamplingParams(temperature=t).greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE).temperature == GREEDY_TEMPERATURE
+    bad = [{"temperature": "0.5"}, {"temperature": True}, {"temperature": float("nan")}, {"top_p": float("inf")},
+           {"repetition_penalty": 5e-324}, {"repetition_penalty": 11.0}, {"top_k": 2**31}, {"max_new_tokens": 4.0},
+           {"stop_token_ids": [-1]}, {"stop_token_ids": [2**31]}, {"ignore_eos": "yes"}, {"seed": 2**63}]
+    for kw in bad:
+        with pytest.raises(ValidationError):
+            SamplingParams.model_validate(kw)
+    # the wire protocol still round-trips (JSON numbers stay numbers)
+    p = SamplingParams(temperature=0.7, top_p=0.9, stop=["x"], stop_token_ids=[5], seed=3)
+    assert decode_daemon_msg(encode(AddRequest(rid="r", prompt_ids=[1], params=p))).params == p
+
+
+def test_config_for_engine_has_no_secret():
+    from mleagle.engine.contract.config import MleagleConfig
+
+    cfg = load_config("tiny-dummy").model_copy(deep=True)
+    cfg = MleagleConfig.model_validate({**cfg.model_dump(), "server": {"api_key": "s3cret-key"}})
+    assert cfg.server.key() == "s3cret-key"
+    assert "s3cret-key" not in cfg.model_dump_json() and "s3cret-key" not in repr(cfg)
+    out = cfg.for_engine()
+    assert "s3cret-key" not in out and "api_key" not in out
+    assert MleagleConfig.model_validate_json(out).server.api_key is None

@@ -32,6 +32,8 @@ def one_thread():
 def assert_all_free(e: Engine) -> None:
     s = e.scheduler
     assert not s.running and not s.waiting and not s.reqs
+    assert not e.mem.idle_problems()  # every page free or evictable in the prefix cache, no lock left
+    e.reset_prefix_cache()  # then, the cache emptied, every page is back on the free list
     assert e.allocator.num_free_tokens == e.allocator.capacity_tokens
     assert sorted(e.allocator.free_pages) == list(range(1, e.allocator.num_pages))
     assert sorted(e.mem.free_reqs) == list(range(e.mem.max_reqs))
@@ -62,7 +64,7 @@ def random_load(e: Engine, n: int, vocab: int, max_prompt: int, max_new: int, se
         else:
             kw.update(temperature=0)
         if rng.random() < 0.2:
-            kw["stop_token_ids"] = [rng.randrange(vocab) for _ in range(5)]
+            kw["stop_token_ids"] = [rng.randrange(vocab) for _ in range(20)]  # enough that stops happen
         reqs[f"r{i}"] = (prompt, SamplingParams(**kw))
     pending = list(reqs)
     outs: dict[str, list[int]] = {r: [] for r in reqs}

@@ -27,7 +27,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def srv():
-    s = ServerProc("--config", "tiny-dummy", "--draft", "random:2", "--max-running-requests", "8", api_key=KEY)
+    # Token ids and logprobs in request events are opt-in (another user's output): this test opts in.
+    s = ServerProc("--config", "tiny-dummy", "--draft", "random:2", "--max-running-requests", "8",
+                   "--events-include-text", api_key=KEY)
     s.wait_healthy(60)
     asyncio.run(warm_relay(s))
     yield s

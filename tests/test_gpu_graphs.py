@@ -52,7 +52,7 @@ def test_replay_equals_eager_at_every_bucket(draft: str) -> None:
             ids = torch.randint(0, e.arch.vocab_size, (bs, g.width), device="cuda")
             rows = torch.arange(bs, device="cuda") * g.width if g.pruned else torch.arange(bs * g.width, device="cuda")
             mode = g.mode if g.mode is not ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY
-            v = w.view(mode, reqs, rpi, ids, g.width, rows)
+            v = w.view(mode, rpi, ids, g.width, rows, w.host_view(reqs))
             if g.mode is ForwardMode.DRAFT_EXTEND:
                 v = dataclasses.replace(v, mode=g.mode, pruned=True,
                                         hidden_in=torch.randn(bs * g.width, e.arch.hidden_size, device="cuda"))

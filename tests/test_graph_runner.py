@@ -43,8 +43,8 @@ def _live_batch(e: Engine, runner_idx: int, bs: int):
     width = g.width
     ids = torch.zeros(bs, width, dtype=torch.int64)
     rows = torch.arange(bs * width) if not g.pruned else torch.arange(bs) * width
-    v = w.view(g.mode if g.mode is not ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY, reqs, rpi, ids,
-               width, rows)
+    v = w.view(g.mode if g.mode is not ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY, rpi, ids,
+               width, rows, w.host_view(reqs))
     if g.mode is ForwardMode.DRAFT_EXTEND:
         v = dataclasses.replace(v, mode=ForwardMode.DRAFT_EXTEND, pruned=g.pruned,
                                 hidden_in=torch.zeros(bs * width, e.arch.hidden_size))
@@ -155,11 +155,16 @@ def test_graph_path_speculation_equals_eager_target_only(draft: str) -> None:
     sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17)]
     want = run(ref, PROMPTS, sps)
     e = tiny_engine(draft, cfg=cfg, graph_emulate=True)
-    assert run(e, PROMPTS, sps) == want
-    assert sum(sum(r.graphs.stats.replays.values()) for r in e.runners) > 0
+    assert run(e, PROMPTS, sps) == want  # plain greedy: whole-iteration graphs
+    assert sum(e.worker.iter_graph.stats.replays.values()) > 0
+    # with logprobs the batch is not plain: each forward replays its own runner's graph
+    lp = [sp.model_copy(update={"logprobs": 1}) for sp in sps]
+    assert run(e, PROMPTS, lp) == want
+    assert all(sum(r.graphs.stats.replays.values()) > 0 for r in e.runners)
     assert all_free(e)
     g = tiny_engine("none", cfg=cfg, graph_emulate=True)
     assert run(g, PROMPTS, sps) == want
+    assert sum(g.worker.iter_graph.stats.replays.values()) > 0
 
 
 def test_seeded_sampling_is_batch_invariant_through_graphs() -> None:
@@ -176,3 +181,46 @@ def test_buckets_cover_max_running() -> None:
     assert gr.default_buckets(64)[-1] == 64 and gr.default_buckets(5) == [1, 2, 4, 5]
     e = Engine(tiny_cfg(), graph_emulate=True, max_running_requests=20)
     assert e.runners[0].graphs.buckets[-1] == 20 and "emulated" in e.graph_report
+
+
+def test_iteration_graph_padding_leaves_the_pad_row_and_other_slots_alone() -> None:
+    """A whole speculative iteration replayed for 3 requests in the bucket of 4: the pad row's state is
+    unchanged, and in every runner's pool only the live requests' window slots and the pad slot change."""
+    e = _engine()
+    _admit(e, 3)
+    e.step()  # one iteration through the graph path, so the slot state is warm
+    st, w = e.worker.state, e.worker
+    reqs = e.scheduler.running[:3]
+    for r in reqs:
+        assert e.mem.ensure(r, r.kv_len + w.lookahead)
+    pad = st.pad_row
+    before_state = {k: getattr(st, k)[pad].clone() for k in ("kv_len", "last_tok", "n_out", "iters", "drafts")}
+    pools = [r.binding.kv_pool for r in e.runners]
+    live_slots = set()
+    for r in reqs:
+        live_slots |= set(e.runners[0].binding.req_to_token.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + w.lookahead].tolist())
+    for pool in pools:
+        for t in pool.k + pool.v:
+            t[0] = 7.0
+    before = [[t.clone() for t in pool.k + pool.v] for pool in pools]
+    _, pbs = w.iter_graph.run(w.rpi_of(reqs), 3)
+    assert pbs == 4
+    for k, v in before_state.items():
+        assert torch.equal(getattr(st, k)[pad], v), k
+    for pool, old in zip(pools, before):
+        changed = set()
+        for b, a in zip(old, pool.k + pool.v):
+            changed |= set(torch.nonzero((b != a).flatten(1).any(1)).flatten().tolist())
+        assert changed <= live_slots | {0} and 0 in changed, (pool.name, changed - live_slots)
+
+
+def test_iteration_graph_metadata_mismatch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    e = _engine()
+    g = e.worker.iter_graph
+    assert g is not None and all(m.agree for cap in g.caps.values() for m in cap.meta)
+    _admit(e, 2)
+    # a replay whose draft-extend forwards would count [bs] logprob rows where un-pruned ones make bs·W
+    real = g.meta
+    monkeypatch.setattr(g, "meta", lambda pbs: real(pbs)[:1] + [row_meta(ForwardMode.DRAFT_EXTEND, pbs, 4)] * 3)
+    with pytest.raises(MetaMismatch):
+        e.step()

@@ -68,3 +68,111 @@ def test_bad_drafts_are_clear_errors(tmp_path: Path) -> None:
         Engine(tiny_cfg(), draft=str(tmp_path / "empty"))
     with pytest.raises(EngineInputError, match="exceeds"):
         Engine(tiny_cfg(), draft="random:2", spec_steps=3)
+
+
+def test_sharded_bf16_checkpoint_round_trips(tmp_path: Path) -> None:
+    """Size-capped shards (each under the cap, listed in the config), bf16 storage, stale shards removed,
+    a missing shard a clear error; v1 folders (one draft.safetensors, no `files`) still load."""
+    import json
+
+    from safetensors.torch import load_file
+
+    src = Engine(tiny_cfg(), draft="random:3:4")
+    d = tmp_path / "sharded"
+    files = save_draft(src.draft_stack, d, torch.float32, max_shard_bytes=1)  # one tensor per file
+    assert len(files) > 3
+    files = save_draft(src.draft_stack, d, torch.bfloat16, max_shard_bytes=64 * 1024)
+    cfg = json.loads((d / "draft_config.json").read_text())
+    assert cfg["version"] == 2 and cfg["dtype"] == "bfloat16" and cfg["files"] == [f.name for f in files]
+    assert sorted(p.name for p in d.glob("*.safetensors")) == sorted(cfg["files"])  # the float32 shards are gone
+    assert all(f.stat().st_size <= 64 * 1024 + 2048 for f in files)
+    assert all(t.dtype == torch.bfloat16 for f in files for t in load_file(str(f)).values())
+    e = Engine(tiny_cfg(), draft=str(d))
+    for a, b in zip(_layers(src), _layers(e)):
+        assert all(torch.equal(a[k].to(torch.bfloat16).float(), b[k]) for k in a)
+    assert [c.token_ids for c in e.generate(PROMPTS, GREEDY)] == [c.token_ids for c in Engine(tiny_cfg()).generate(PROMPTS, GREEDY)]
+    (d / files[1].name).unlink()
+    with pytest.raises(EngineInputError, match="missing"):
+        Engine(tiny_cfg(), draft=str(d))
+    # version 1: what earlier mleagle versions wrote
+    v1 = tmp_path / "v1"
+    save_draft(src.draft_stack, v1)
+    cfg = json.loads((v1 / "draft_config.json").read_text())
+    for k in ("files", "dtype", "draft_vocab_size"):
+        cfg.pop(k)
+    cfg["version"] = 1
+    (v1 / "draft_config.json").write_text(json.dumps(cfg))
+    assert _layers(Engine(tiny_cfg(), draft=str(v1))) and len(_layers(Engine(tiny_cfg(), draft=str(v1)))) == 3
+
+
+def test_reduced_vocabulary_checkpoint_serves_exactly(tmp_path: Path) -> None:
+    """vocab_ids travel with the checkpoint; greedy and seeded sampled outputs equal target-only ones
+    (rejection sampling with q scattered back to the target's vocabulary); bad ids are clear errors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src = Engine(tiny_cfg(), draft="random:2:3")
+    src.draft_stack.set_vocab(torch.arange(1, 256, 3))
+    d = tmp_path / "small"
+    save_draft(src.draft_stack, d, torch.bfloat16)
+    e = Engine(tiny_cfg(), draft=str(d))
+    assert torch.equal(e.draft_stack.vocab_ids, torch.arange(1, 256, 3))
+    assert e.draft_stack.layers[0].compute_logits(torch.randn(2, 64)).shape == (2, 85)
+    ref = Engine(tiny_cfg())
+    assert [c.token_ids for c in e.generate(PROMPTS, GREEDY)] == [c.token_ids for c in ref.generate(PROMPTS, GREEDY)]
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)
+    out = [c.token_ids for c in e.generate(PROMPTS, sampled)]
+    assert out == [c.token_ids for c in e.generate(PROMPTS, sampled)]  # seeded: reproducible
+    assert e.worker.stats.num_verify > 0
+    w = load_file(str(d / "draft.safetensors"))
+    w["vocab_ids"] = torch.tensor([1, 1, 2])
+    save_file(w, str(d / "draft.safetensors"))
+    with pytest.raises(EngineInputError, match="config says 85"):
+        Engine(tiny_cfg(), draft=str(d))
+    cfg = json.loads((d / "draft_config.json").read_text())
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"draft_vocab_size": 3}))
+    with pytest.raises(EngineInputError, match="must not repeat"):
+        Engine(tiny_cfg(), draft=str(d))
+
+
+def test_default_draft_of_the_model(tmp_path: Path) -> None:
+    """`[model] default_draft` is used when no draft is given; `--draft none` turns it off; a missing
+    default folder is a clear error; a relative default is relative to the package root."""
+    from mleagle.engine.contract.config import REPO_ROOT, resolve_draft
+    from mleagle.engine.executor.worker import TargetWorker
+    from mleagle.engine.spec.worker import SpecWorker
+
+    d = tmp_path / "shipped"
+    save_draft(Engine(tiny_cfg(), draft="random:2:9").draft_stack, d, torch.bfloat16)
+    cfg = tiny_cfg()
+    cfg.model.default_draft = str(d)
+    e = Engine(cfg)
+    assert isinstance(e.worker, SpecWorker) and e.draft_is_default and e.cfg.engine.draft == str(d)
+    assert [c.token_ids for c in e.generate(PROMPTS, GREEDY)] == [c.token_ids for c in Engine(tiny_cfg()).generate(PROMPTS, GREEDY)]
+    off = Engine(cfg, draft="none")
+    assert type(off.worker) is TargetWorker and not off.draft_is_default
+    assert isinstance(Engine(cfg, draft="random:1").worker, SpecWorker)
+    cfg.model.default_draft = "drafts/no-such-draft"
+    assert resolve_draft(cfg) == (str(REPO_ROOT / "drafts" / "no-such-draft"), True)
+    with pytest.raises(EngineInputError, match=r"default draft of t .*drafts/no-such-draft.*--draft none"):
+        Engine(cfg)
+    assert type(Engine(cfg, draft="none").worker) is TargetWorker
+
+
+def test_reduced_vocabulary_sampling_keeps_the_target_distribution() -> None:
+    """Rejection sampling with a draft that proposes only half the vocabulary (q scattered back, zero
+    elsewhere): the samples still follow the target's distribution (the chi-square check of
+    test_spec_sampling), with both accepted and rejected drafts."""
+    from tests.test_spec_sampling import CASES, PROMPT, N, V, _chi2_pvalue, _engine, _expected
+
+    sp = CASES[1]
+    e = _engine("random:2:4")
+    e.draft_stack.set_vocab(torch.tensor([0, 2, 3, 5, 7, 8, 11]))
+    out = e.generate([PROMPT] * N, [sp.model_copy(update={"seed": 1000 + i, "max_new_tokens": 3}) for i in range(N)])
+    counts = torch.zeros(V, V, dtype=torch.int64)
+    for c in out:
+        counts[c.token_ids[1], c.token_ids[2]] += 1
+    st = e.worker.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert _chi2_pvalue(counts, _expected(sp)) > 1e-3

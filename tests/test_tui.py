@@ -199,6 +199,37 @@ def test_help_snapshot(snap_compare: Callable[..., bool]) -> None:
     assert snap_compare(snap_app(), terminal_size=SIZE, run_before=before("question_mark"))
 
 
+def _prefix_cache_recording(path: Path) -> Path:
+    """Three runners sharing 260 cached slots (200 evictable), 60 held by a running request's prefix
+    plus its own 60: what a cache-on engine reports mid-session."""
+    from mleagle.engine.contract.events import write_recording
+
+    eng = EngineEvent(model="smollm2-135m", draft="mtp-s2", spec_steps=2, num_running=1, ts=1.0,
+                      prefix_cache_queries_total=1840, prefix_cache_hits_total=1180)
+    pools = [PoolEvent(runner=r, kv_used=120, kv_total=512, kv_cached=260, kv_evictable=200, req_used=1,
+                       req_total=8, step=7, ts=1.0) for r in ("target", "draft0", "draft1")]
+    evs = [SnapshotEvent(engine=eng, pools=pools, ts=1.0), eng, *pools,
+           BatchEvent(step=8, mode="DECODE", rids=["r1"], num_tokens_per_req=[1], num_tokens=1, bs=1, padded_bs=1,
+                      ts=1.1)]
+    write_recording(path, evs, source="synthetic", created=1.0)
+    return path
+
+
+async def test_pools_show_the_prefix_cache(tmp_path: Path) -> None:
+    app = replay_app(_prefix_cache_recording(tmp_path / "prefix.jsonl"), 5)
+    async with app.run_test(size=SIZE) as pilot:
+        await paused_at(5, "3")(pilot)
+        text = screen_text(app)
+    assert "cached" in text and "evictable" in text
+    assert "120/512" in text and text.count(" 260 ") == 3 and text.count(" 200 ") == 3
+    assert "prefix cache: 1180/1840 prompt tokens hit (64.1 %)" in text
+
+
+def test_pools_prefix_cache_snapshot(snap_compare: Callable[..., bool], tmp_path: Path) -> None:
+    app = replay_app(_prefix_cache_recording(tmp_path / "prefix.jsonl"), 5)
+    assert snap_compare(app, terminal_size=SIZE, run_before=paused_at(5, "3"))
+
+
 # --- live source against a real WebSocket server, stopped and restarted ---------------------------
 
 

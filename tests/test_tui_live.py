@@ -99,7 +99,7 @@ async def send_until_seen(pilot: Pilot, app: MleagleTui, url: str, kind: str = "
 
 
 async def test_app_against_live_daemon() -> None:
-    srv = await asyncio.to_thread(start)
+    srv = await asyncio.to_thread(start, "--events-include-text")  # the operator's opt-in: tokens in events
     try:
         app = MleagleTui(LiveSource(srv.url), refresh_s=0.05)
         async with app.run_test(size=SIZE) as pilot:
@@ -145,6 +145,10 @@ async def test_app_reconnects_after_daemon_restart() -> None:
             seen = app.model.by_type["acceptance"]
             await send_until_seen(pilot, app, b.url)
             assert app.model.by_type["acceptance"] > seen and app.model.by_type["snapshot"] == 2
+            # by default a daemon publishes counts, not tokens: the requests (with logprobs) show none
+            await until_live(pilot, lambda: any(r.state == "finished" for r in app.model.requests.values()))
+            reqs = list(app.model.requests.values())
+            assert any(r.output_tokens == 8 for r in reqs) and not any(r.tokens for r in reqs)
             await pilot.pause(0.1)
             assert "● connected" in screen_text(app)
     finally:

@@ -153,8 +153,10 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
                      x.global_num_tokens_for_logprob, x.tp_size, x.layout, x.agree]
                     for x in evs if x.type == "logprob_meta"]
             replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
+            it = e.worker.iter_graph
             out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}{'/tight' if extra else ''}"] = {
                 "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays,
+                "iter_replays": sum(it.stats.replays.values()) if it is not None else 0,
                 "preemptions": e.scheduler.num_preemptions}
     res["exact"] = out
 
@@ -168,7 +170,7 @@ def live_draft_batch(e: Engine, bs: int, width: int) -> Any:
     rpi = w.rpi_of(reqs)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, e.arch.vocab_size, (bs, width), generator=g)
-    v = w.view(ForwardMode.TARGET_VERIFY, reqs, rpi, ids, width, torch.arange(bs * width))
+    v = w.view(ForwardMode.TARGET_VERIFY, rpi, ids, width, torch.arange(bs * width), w.host_view(reqs))
     hid = torch.randn(bs * width, e.arch.hidden_size, generator=g)
     v = dataclasses.replace(v, mode=ForwardMode.DRAFT_EXTEND, pruned=False, hidden_in=hid)
     return e.runners[1].bind(v)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL = "smollm2-135m"
@@ -82,6 +82,8 @@ class ModelSource(BaseModel):
     dummy_seed: int = 0
     chat_template: str | None = None  # jinja2 text overriding the model's own
     tokenizer: str | None = None  # where the tokenizer comes from when not the model file itself
+    # The draft the engine loads when `[engine] draft` / `--draft` is not given: a folder (a relative
+    # path is relative to the package root, e.g. "drafts/smollm2-135m-mtp3"), random:S, or none.
     default_draft: str = "none"
 
     def resolved_path(self) -> str | None:
@@ -105,11 +107,13 @@ class EngineConfig(BaseModel):
     max_context_len: int | None = Field(None, ge=16)  # default: the model's max_position_embeddings
     chunked_prefill_size: int = Field(512, ge=0)  # per-step prefill token budget; 0 = no chunking
     max_prefill_tokens: int = Field(4096, ge=16)  # cap on one EXTEND forward's tokens when not chunking
-    draft: str = "none"  # PATH | random:S[:seed] | none
+    draft: str | None = None  # PATH | random:S[:seed] | none; None: the model's `default_draft`
     spec_steps: int | None = Field(None, ge=1, le=MAX_SPEC_STEPS)
     # "stale": draft layers keep boundary KV computed from drafts (the serving policy);
     # "recompute": every draft layer re-runs over the whole sequence each iteration (reference, slow).
     boundary_kv: Literal["stale", "recompute"] = "stale"
+    # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
+    enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)
     seed: int = 0  # seeds requests that bring none, reproducibly per engine run
     # CUDA graphs for decode / verify / every draft-extend step, bucketed up to cuda_graph_max_bs
@@ -163,17 +167,58 @@ class EngineConfig(BaseModel):
     # False runs the torch reference of the fused layers (add-RMSNorm, SiLU-and-mul) on CUDA too (debugging).
     fused_layers: bool = True
 
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        # draft None is resolved (to the model's default) and validated again by the Engine.
+        if self.boundary_kv == "recompute" and self.enable_prefix_cache and self.draft not in (None, "none", ""):
+            # Recompute re-runs every draft layer over the whole sequence from the target's hidden
+            # states, and a cache hit never computes those for its cached prefix.
+            raise ValueError("boundary_kv='recompute' needs the prefix cache off (enable_prefix_cache=false, "
+                             "--disable-prefix-cache): it re-runs the draft over the whole sequence from "
+                             "target hidden states that a cached prefix never computes")
+        return self
+
 
 class ServerConfig(BaseModel):
+    """The HTTP daemon: address, key, admission, limits and timeouts, engine supervision, events.
+
+    Timeouts (seconds): `idle_timeout_s` closes a connection that has not sent a complete request head
+    within that time of opening or of its last response (slowloris, idle keep-alive); `body_timeout_s`
+    bounds reading a request body (408); `write_timeout_s` bounds one write to a client that stopped
+    reading. `stream_buffer_tokens` is how many generated tokens the daemon holds for one request it
+    cannot send yet; past it the request is aborted and its stream ends with an error event.
+    The engine is pinged every `engine_ping_interval_s`; with no answer for `engine_ping_timeout_s`
+    (0: never) it is declared frozen, killed, its requests fail, and it is restarted like a dead one.
+    `events_include_text` puts token ids, token text and logprobs in the `request` state events of
+    `/v1/events`; off, subscribers see counts and lifecycle only (other users' output stays private).
+    `api_key` is a secret: it is never written out (dumps show it masked) and never reaches the engine.
+    """
+
     model_config = ConfigDict(extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: SecretStr | None = None
     served_model_name: str | None = None
     max_queued_requests: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     restart_engine: bool = True
+    idle_timeout_s: float = Field(15.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    write_timeout_s: float = Field(30.0, gt=0)
+    stream_buffer_tokens: int = Field(4096, ge=1)
+    engine_ping_interval_s: float = Field(1.0, gt=0)
+    engine_ping_timeout_s: float = Field(30.0, ge=0)
+    events_include_text: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerConfig:
+        if self.engine_ping_timeout_s and self.engine_ping_timeout_s < 2 * self.engine_ping_interval_s:
+            raise ValueError("engine_ping_timeout_s must be at least twice engine_ping_interval_s (or 0)")
+        return self
+
+    def key(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key is not None else None
 
 
 class MleagleConfig(BaseModel):
@@ -183,6 +228,10 @@ class MleagleConfig(BaseModel):
     model: ModelSource
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    def for_engine(self) -> str:
+        """This configuration as the engine process gets it: JSON without any secret."""
+        return self.model_dump_json(exclude={"server": {"api_key"}})
 
 
 def smollm2_gguf_path() -> str:
@@ -205,6 +254,18 @@ def data_dir(override: str | os.PathLike[str] | None = None) -> Path:
     """Where benchmark and training prompt sets live: the argument, else `$MLEAGLE_DATA_DIR`, else the
     `shared/data` folder beside the repository (`../shared/data` from its root)."""
     return Path(override or os.environ.get("MLEAGLE_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
+
+
+def resolve_draft(cfg: MleagleConfig) -> tuple[str, bool]:
+    """(the draft spec the engine runs, whether it is the model's default). An explicit `draft` is used
+    as given (a relative path is relative to the working directory); the model's `default_draft`, when
+    a relative path, is relative to the package root (where `drafts/` ships)."""
+    if cfg.engine.draft is not None:
+        return cfg.engine.draft, False
+    d = cfg.model.default_draft
+    if d in ("", "none") or d.startswith("random:") or Path(d).is_absolute():
+        return d, True
+    return str(REPO_ROOT / d), True
 
 
 def bundled_configs() -> list[str]:

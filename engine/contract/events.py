@@ -81,12 +81,18 @@ class PoolEvent(_Base):
 
     `kv_used`/`kv_total` count KV token slots (pages × page_size); `req_used`/`req_total` count rows of
     the request-to-token map. After every request ends, used must return to 0 for every runner.
+    `kv_used` counts slots held by requests (their own and the cached prefixes they use); `kv_cached`
+    counts slots the prefix cache holds, `kv_evictable` those of them no request uses (reusable at
+    once, so not in `kv_used`). The target and every draft runner hold a token's KV at the same slot,
+    so the cache's figures are the same for every runner (0 with the cache off).
     """
 
     type: Literal["pool"] = "pool"
     runner: str
     kv_used: int
     kv_total: int
+    kv_cached: int = 0
+    kv_evictable: int = 0
     req_used: int
     req_total: int
     page_size: int = 1
@@ -247,6 +253,9 @@ class EngineEvent(_Base):
     prompt_tokens_per_s: float = 0.0
     mean_accept_len: float | None = None
     steps_total: int = 0
+    # Prefix cache (None when it is off): prompt tokens looked up and found at admission, cumulative.
+    prefix_cache_queries_total: int | None = None
+    prefix_cache_hits_total: int | None = None
 
 
 class DropsEvent(_Base):

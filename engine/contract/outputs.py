@@ -60,4 +60,6 @@ class RequestOutput(BaseModel):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
     spec: SpecStats | None = None

@@ -68,6 +68,9 @@ class Ready(_Msg):
     vocab_size: int | None = None
     pid: int
     world_size: int = 1
+    # The most tokens one request may hold in the KV pool (prompt + new tokens): capacity minus the
+    # positions a decode step writes ahead. None when unknown; the context limit applies either way.
+    max_request_tokens: int | None = None
 
 
 class Outputs(_Msg):

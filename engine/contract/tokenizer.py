@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,13 @@ _PRE_SPLITS = {
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
 }
+
+# Chat content is escaped before the template sees it: each special-token text becomes this mark plus
+# one code character (and the mark itself is doubled), so after rendering every special-token text
+# left in the prompt is one the template wrote. Plane-15 private-use characters: no template or
+# tokenizer gives them a meaning.
+_MARK = "\U000F0000"
+_ESCAPED = re.compile(_MARK + "(.)", re.S)
 
 
 def cache_root() -> Path:
@@ -122,6 +131,10 @@ class Tokenizer:
             {*([eos_token_id] if eos_token_id is not None else []), *eog, *extra_eos_ids}
         )
         self._template: Any = None
+        self._specials_re: re.Pattern[str] | None = None
+        self._special_texts: list[str] = []
+        self._plain: _HFTokenizer | None = None
+        self._plain_lock = threading.Lock()
 
     # ---- basic API -------------------------------------------------------------------------
     @property
@@ -177,6 +190,51 @@ class Tokenizer:
         }
         ctx = {k: v for k, v in ctx.items() if v is not None}
         return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt, **ctx)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Render the chat template and tokenize it so that only the template's own markers are special
+        tokens: special-token text inside a message (`<|im_start|>` typed by a user) is encoded as the
+        plain text it is, so content can never forge a turn. Without such text in the content the ids
+        equal `encode(apply_chat_template(...))`, because the tokenizer splits text at special tokens
+        before anything else and this does the same split, only at the template's markers."""
+        if self._specials_re is None:
+            added = self.tok.get_added_tokens_decoder()
+            texts = sorted({added[i].content for i in self._special}, key=len, reverse=True)
+            self._special_texts = texts
+            self._specials_re = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else re.compile("(?!)")
+        specials_re, texts = self._specials_re, self._special_texts
+        code = {t: chr(0xF0001 + k) for k, t in enumerate(texts)}
+
+        def escape(v: Any) -> Any:
+            if not isinstance(v, str) or (_MARK not in v and not specials_re.search(v)):
+                return v
+            return specials_re.sub(lambda m: _MARK + code[m.group(1)], v.replace(_MARK, _MARK + _MARK))
+
+        msgs = [{k: (v if k == "role" else escape(v)) for k, v in m.items()} for m in messages]
+        text = self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+
+        def unescape(m: re.Match[str]) -> str:
+            c = m.group(1)
+            return _MARK if c == _MARK else texts[ord(c) - 0xF0001] if 0 <= ord(c) - 0xF0001 < len(texts) else m.group(0)
+
+        ids: list[int] = []
+        plain = self._plain_tokenizer()
+        for i, piece in enumerate(specials_re.split(text)):
+            if i % 2:  # a marker the template wrote
+                ids.append(self.tok.token_to_id(piece))
+            elif piece:
+                ids += plain.encode(_ESCAPED.sub(unescape, piece), add_special_tokens=False).ids
+        return ids
+
+    def _plain_tokenizer(self) -> _HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as plain text (the `tokenizers`
+        library's own `encode_special_tokens` switch, on a copy so the shared one is never toggled)."""
+        with self._plain_lock:
+            if self._plain is None:
+                t = _HFTokenizer.from_str(self.tok.to_str())
+                t.encode_special_tokens = True
+                self._plain = t
+            return self._plain
 
     # ---- persistence -----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:

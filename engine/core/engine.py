@@ -21,12 +21,19 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mleagle.engine.attention import create_backend, resolve_backend
-from mleagle.engine.contract.config import MAX_SPEC_STEPS, EngineConfig, MleagleConfig, load_config
+from mleagle.engine.contract.config import (
+    MAX_SPEC_STEPS,
+    EngineConfig,
+    MleagleConfig,
+    load_config,
+    resolve_draft,
+)
 from mleagle.engine.contract.detokenizer import StopChecker
 from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
 from mleagle.engine.contract.sampling_params import SamplingParams
@@ -36,6 +43,7 @@ from mleagle.engine.core.scheduler import Scheduler
 from mleagle.engine.distributed import LOCAL, TPGroup
 from mleagle.engine.executor.forward_batch import ForwardMode
 from mleagle.engine.executor.graph_runner import GraphRunner, default_buckets
+from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.kernels import set_fused_layers
@@ -134,6 +142,12 @@ class Engine:
         if engine_overrides:  # validated like a config file's [engine] table
             engine = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine_overrides})
             cfg = cfg.model_copy(update={"engine": engine})
+        draft, self.draft_is_default = resolve_draft(cfg)
+        if self.draft_is_default and draft not in ("", "none") and not draft.startswith("random:") \
+                and not Path(draft).is_dir():
+            raise EngineInputError(f"the default draft of {cfg.model.name} ({cfg.model.default_draft}) is not at {draft}: "
+                                   "train it (`mleagle train-draft`, see the README), or pass --draft none")
+        cfg = cfg.model_copy(update={"engine": EngineConfig.model_validate({**cfg.engine.model_dump(), "draft": draft})})
         e = cfg.engine
         if e.device == "cuda" and not torch.cuda.is_available():
             raise EngineInputError("device 'cuda' requested but CUDA is not available")
@@ -196,7 +210,7 @@ class Engine:
         self.target = build_runner("target", self.model, self.arch.num_hidden_layers, num_slots, self.arch, e,
                                    self.max_reqs, self.max_context_len + LOOKAHEAD_MARGIN, self.dtype)
         self.allocator = SlotAllocator(num_slots, e.page_size)
-        self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token])
+        self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token], prefix_cache=e.enable_prefix_cache)
         self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
         self.worker = self._build_worker()
         self.graph_report = self._capture_graphs()
@@ -217,6 +231,52 @@ class Engine:
 
             return build_spec_worker(self)
         return TargetWorker(self.target, self.device, frozenset(self.eos_ids), self.arch.vocab_size, self.max_reqs)
+
+    def _capture_iteration(self, buckets: list[int], pool: object, cuda: bool) -> str:
+        """Whole-iteration graphs for plain greedy batches, when every runner's forward can be captured
+        and no backend plans from host lengths (a single replay leaves no room to plan each forward).
+
+        Under tensor parallelism every rank captures the same body with its collectives inside, and
+        every rank takes the same path for a step (the choice depends only on the batch, which is the
+        same everywhere), so the ranks replay the same bucket's graph together; the metadata recorded
+        and checked is each forward's per-rank counts for its runner's layout."""
+        from mleagle.engine.sampling.processor import RowFlags
+
+        w = self.worker
+        if any(r.graphs is None or r.binding.backend.needs_host_lens for r in self.runners):
+            return "iteration: per-forward graphs only"
+        if getattr(w, "boundary_kv", "stale") != "stale":
+            return "iteration: per-forward graphs only (boundary_kv recompute)"
+        steps = getattr(w, "steps", 0)
+        plain = RowFlags()
+        w._arange(buckets[-1] * (steps + 1))  # grown before any capture, never inside one
+        if steps:
+            def body(rpi: torch.Tensor, live: torch.Tensor) -> Any:
+                return w._iteration(rpi, live, plain, w.capture_view(int(rpi.shape[0])), eager=True)[:2]
+
+            def meta(pbs: int) -> Any:
+                return ([self.target.rule_meta(ForwardMode.TARGET_VERIFY, pbs, steps + 1)]
+                        + [r.rule_meta(ForwardMode.DRAFT_EXTEND, pbs, steps + 1, pruned=True) for r in self.runners[1:]])
+        else:
+            def body(rpi: torch.Tensor, live: torch.Tensor) -> Any:
+                return w._decode_body(rpi, live, plain, w.capture_view(int(rpi.shape[0])), eager=True)
+
+            def meta(pbs: int) -> Any:
+                return [self.target.rule_meta(ForwardMode.DECODE, pbs, 1)]
+        g = IterationGraph("spec" if steps else "decode", body, meta, buckets, self.target.binding.req_to_token.pad_row,
+                           self.device, emulate=not cuda, pool=pool)
+        try:
+            g.capture()
+        except Exception as err:  # per-forward graphs still serve every batch
+            if self.tp.size > 1:  # but not on one rank alone (see `_capture_graphs`)
+                raise RuntimeError(f"rank {self.tp.rank}: whole-iteration graph capture failed under tensor "
+                                   f"parallelism: {type(err).__name__}: {err}") from err
+            log.exception("whole-iteration graph capture failed; per-forward graphs serve instead")
+            return f"iteration: per-forward graphs only (capture failed: {type(err).__name__}: {err})"
+        w.iter_graph = g
+        return (f"iteration ({'verify + accept + ' + str(steps) + ' draft steps' if steps else 'decode + sample'}): "
+                f"buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, "
+                f"{g.stats.capture_s:.2f} s")
 
     def _overlap(self) -> bool:
         """Overlap scheduling on CUDA, unless a backend plans from exact host lengths (FlashInfer)."""
@@ -246,12 +306,23 @@ class Engine:
             mode = ForwardMode.DRAFT_EXTEND if r in spec else ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
             g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
                             hidden_size=self.arch.hidden_size, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
-                            emulate=not cuda, pool=pool, tp_size=self.tp.size,
-                            layout=getattr(r.model, "layout", "all_reduce"))
-            g.capture()
+                            emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
+            try:
+                g.capture()
+            except Exception as err:  # a kernel that cannot be captured: serve eagerly, say why
+                if self.tp.size > 1:
+                    # A rank cannot fall back alone: an eager forward's collectives are sized by the live
+                    # batch, a replay's by its bucket, so the ranks would no longer meet. Fail the engine.
+                    raise RuntimeError(f"rank {self.tp.rank}: graph capture of {r.name} failed under tensor "
+                                       f"parallelism: {type(err).__name__}: {err}") from err
+                log.exception("graph capture of %s failed; it runs eagerly", r.name)
+                r.no_graph_reason = f"capture failed: {type(err).__name__}"
+                lines.append(f"{r.name}: eager (capture failed: {type(err).__name__}: {err})")
+                continue
             r.graphs = g
             lines.append(f"{r.name}: {mode.value} W={g.width} buckets {g.buckets[0]}..{g.buckets[-1]} "
                          f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        lines.append(self._capture_iteration(buckets, pool, cuda))
         report = "cuda graphs" + (" (emulated)" if not cuda else "") + ":\n  " + "\n  ".join(lines)
         log.info(report)
         return report
@@ -307,6 +378,8 @@ class Engine:
             self._add(rid, ids, params, seed)
         elif msg[0] == "abort":
             self.scheduler.abort(msg[1])
+        elif msg[0] == "reset_cache":
+            self.mem.reset_cache()
         else:
             raise ValueError(f"unknown control message {msg[0]!r}")
 
@@ -357,11 +430,37 @@ class Engine:
                 "num_preemptions": sch.num_preemptions, "load_time_s": round(self.load_time_s, 3),
                 "spec": spec.summary() if spec is not None else None,
                 "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None),
-                "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None}
+                "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None,
+                "prefix_cache": self.prefix_cache_stats()}
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """Prompt tokens looked up in and found in the prefix cache at admission (vLLM's queries and
+        hits, in tokens), what it holds now, and what it has evicted. None when it is off."""
+        c, s = self.mem.cache, self.scheduler
+        if c is None:
+            return None
+        return {"queries": s.prefix_queries, "hits": s.prefix_hits,
+                "hit_rate": round(s.prefix_hits / s.prefix_queries, 4) if s.prefix_queries else 0.0,
+                "cached_tokens": c.cached_tokens, "evictable_tokens": c.evictable_tokens,
+                "evicted_tokens": c.evicted_tokens}
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix no running request uses; returns the tokens freed. Under tensor
+        parallelism the other ranks do the same before the next step (their caches must match rank 0's,
+        or their admissions, and so their forwards, would differ)."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            self._outbox.append(("reset_cache",))
+        return self.mem.reset_cache()
 
     def pool_usage(self) -> list[dict[str, Any]]:
-        used_tok = self.allocator.num_used_tokens
+        """Per runner: KV slots held by requests (`kv_used`), cached prefixes (`kv_cached`, of which
+        `kv_evictable` no request uses: free for the taking), request slots. Every runner holds a
+        token's KV at the same slot, so the cache's figures are the same for each."""
+        used_tok = self.mem.num_used_tokens
+        c = self.mem.cache
+        cached, evictable = (c.cached_tokens, c.evictable_tokens) if c is not None else (0, 0)
         return [{"runner": r.name, "kv_used": used_tok, "kv_total": self.allocator.capacity_tokens,
+                 "kv_cached": cached, "kv_evictable": evictable,
                  "req_used": self.mem.num_used_reqs, "req_total": self.mem.max_reqs} for r in self.runners]
 
     # --- offline API ---------------------------------------------------------------------------
@@ -370,11 +469,11 @@ class Engine:
             return list(prompt)  # type: ignore[arg-type]
         if self.tokenizer is None:
             raise EngineInputError("this model has no tokenizer: pass token ids")
+        # Chat content is encoded as plain text (a user typing <|im_start|> cannot forge a turn).
         if isinstance(prompt, list):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)  # type: ignore[arg-type]
+            return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def stream(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,

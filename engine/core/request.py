@@ -1,6 +1,7 @@
 """A request's life in the engine: its tokens, KV holdings, sampling state, logprobs and finish.
 
-`fill_ids` (prompt + output) are the request's tokens; `kv_len` counts those whose KV is in the pools.
+`fill_ids` (prompt + output) are the request's tokens; `kv_len` counts those whose KV is in the pools,
+the first `cached_len` of them in pages the prefix cache lent it (computed by an earlier request).
 While `kv_len < prefill_len` the request is prefilling (possibly in chunks, or again after a
 preemption, over prompt + output but the last token); after that it decodes, feeding its last token. `emitted` marks how much of the output has been handed
 out as deltas, so a preempted and resumed request never repeats or loses a token.
@@ -36,6 +37,9 @@ class Req:
     req_pool_idx: int | None = None
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
+    prefix_node: Any = None  # the prefix-cache node this request's cached prefix ends at (locked)
+    cached_len: int = 0  # leading tokens whose KV pages belong to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission (usage report)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     emitted: int = 0

@@ -3,10 +3,13 @@
 Each `step` picks one forward: an EXTEND over prefill chunks when any request needs prefill and the
 token budget and KV pool allow (prefill first, as in nano-vllm), otherwise a decode step for every
 running request. A request is admitted only when its chunk fits in the pool with one decode step of
-headroom left for the running set; when decode finds the pool short, the most recently admitted
-requests are preempted (their KV freed, their generated tokens kept) and resumed later by a prefill
-over prompt + output. Nothing is lost: every request ends with a finish reason, and `release` gives
-back every page and request slot whatever the ending. Stop conditions (EOS, stop ids, stop strings,
+headroom left for the running set; when decode finds the pool short, unused cached prefixes are
+evicted first, and only then are the most recently admitted requests preempted (their KV handed to
+the prefix cache, their generated tokens kept) and resumed later by a prefill over prompt + output.
+With the prefix cache, admission starts a request at the longest cached prefix of its tokens (locked
+while it runs), and every ending inserts the KV that is valid in every runner into the cache before
+unlocking. Nothing is lost: every request ends with a finish reason, and `release` gives back every
+page and request slot whatever the ending. Stop conditions (EOS, stop ids, stop strings,
 max new tokens, context limit) are applied to each step's new tokens, cutting exactly where the
 first one holds, so several tokens arriving at once (speculation) end in the same place as one by one.
 
@@ -31,6 +34,9 @@ from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker
 from mleagle.engine.memory.manager import MemoryManager
 
 StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
+# A decoding request's KV grows in blocks of this many positions (while the pool has free pages), so
+# most decode steps allocate nothing and write no slot map.
+DECODE_GROW = 32
 
 
 class Scheduler:
@@ -54,6 +60,8 @@ class Scheduler:
         self.inflight: Pending | None = None  # a decode step launched and not yet finished
         self.last_finished: Pending | None = None  # the decode step whose results the last step applied
         self.last_prefill = None  # the last EXTEND batch (telemetry)
+        # Prefix cache, vLLM's counters: prompt tokens looked up and found, at first admission.
+        self.prefix_queries = self.prefix_hits = 0
 
     # --- requests in and out ---------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -72,8 +80,7 @@ class Scheduler:
         req.state = ReqState.FINISHED
         req.finish_reason = reason  # type: ignore[assignment]
         req.matched_stop = matched
-        self.worker.release(req)
-        self.mem.release(req)
+        self._release(req)
         if req in self.running:
             self.running.remove(req)
 
@@ -158,7 +165,7 @@ class Scheduler:
         """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
         ready = [r for r in self.running if not r.prefilling]
         for r in ready:
-            if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context)):
+            if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW):
                 return None
         return ready
 
@@ -175,20 +182,25 @@ class Scheduler:
             new = req.state is ReqState.WAITING
             if new and n_running >= self.max_running:
                 break
+            if new:
+                self._match(req)
             remaining = req.prefill_len - req.kv_len
-            if self.chunk_size > 0:
-                chunk = min(remaining, budget)
-            else:
-                if reqs and remaining > budget:
-                    break
-                chunk = remaining  # without chunking a prompt goes whole (alone if it is long)
-            # Headroom: after this chunk, every running request must still be able to take a decode step.
+            chunk = min(remaining, budget) if self.chunk_size > 0 else remaining
+            # Without chunking a prompt goes whole (alone if it is long). Headroom: after this chunk,
+            # every running request must still be able to take a decode step.
             reserve = -(-(n_running + 1) * self.worker.lookahead // self.mem.page_size)
-            if not self.mem.can_ensure(req, req.kv_len + chunk, reserve_pages=reserve if self.running else 0):
-                break
-            if not self.mem.ensure(req, req.kv_len + chunk):
+            fits = not (self.chunk_size <= 0 and reqs and remaining > budget) and self.mem.can_ensure(
+                req, req.kv_len + chunk, reserve_pages=reserve if self.running else 0)
+            if not (fits and self.mem.ensure(req, req.kv_len + chunk)):
+                if new:  # not admitted: a waiting request holds nothing, not even a locked prefix
+                    self.mem.unmatch(req)
+                    req.kv_len = 0
                 break
             if new:
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = req.kv_len
+                    self.prefix_queries += len(req.prompt_ids)
+                    self.prefix_hits += req.kv_len
                 self.waiting.remove(req)
                 req.state = ReqState.RUNNING
                 self.running.append(req)
@@ -204,7 +216,7 @@ class Scheduler:
             ready = [r for r in self.running if not r.prefilling]
             if not ready:
                 return []
-            short = [r for r in ready if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context))]
+            short = [r for r in ready if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW)]
             if not short:
                 return ready
             # Preempt the newest request (LIFO) and try again; the oldest always gets to finish.
@@ -218,9 +230,23 @@ class Scheduler:
                 continue
             self._preempt(victim)
 
-    def _preempt(self, req: Req) -> None:
+    def _match(self, req: Req) -> None:
+        """Start a request that holds nothing at its longest cached prefix. At least one token is left
+        to compute (its logits sample the first token, or feed the drafts), and a request that wants
+        prompt logprobs computes its whole prompt."""
+        if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.kv_len = 0
+            return
+        req.kv_len = self.mem.match(req, req.fill_ids[: req.prefill_len - 1], self.worker.prefix_margin)
+
+    def _release(self, req: Req) -> None:
+        """Hand the KV valid in every runner to the prefix cache and free the rest."""
+        keep = req.fill_ids[: self.worker.kv_valid_len(req)] if self.mem.cache is not None else None
         self.worker.release(req)
-        self.mem.release(req)
+        self.mem.release(req, keep)
+
+    def _preempt(self, req: Req) -> None:
+        self._release(req)  # its KV goes to the cache, so its resume is a cache hit unless evicted
         req.kv_len = 0
         req.state = ReqState.WAITING
         req.num_preemptions += 1
@@ -267,10 +293,11 @@ class Scheduler:
         new = req.output_ids[req.emitted :]
         lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
         req.emitted = len(req.output_ids)
-        return RequestOutput(
+        # The engine's own values: no validation needed per request per step (model_construct).
+        return RequestOutput.model_construct(
             rid=req.rid, token_ids=new, logprobs=lps,
             prompt_logprobs=res.prompt_logprobs if res is not None else None,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             error=req.error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-            spec=req.spec if req.finished else None,
+            num_cached_tokens=req.num_cached_tokens, spec=req.spec if req.finished else None,
         )

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                    help="auto: triton on CUDA, torch on the CPU")
     add_tp_args(p)
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="no prefix KV reuse (with it on, every timed run still starts with an empty cache)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-load", action="store_true", help="skip the cold/warm load subprocesses")
     p.add_argument("--out", default="results/bench_cpu.json")
@@ -148,6 +150,7 @@ def run_engine(engine: Any, prompts: list[list[int]], n: int, temperature: float
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True, seed=None)
+    engine.reset_prefix_cache()  # repeats run the same prompts: each run starts cold, as HF does
     rids = [f"bench-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
     t0, c0 = time.perf_counter(), time.process_time()
     for i, (rid, ids) in enumerate(zip(rids, prompts)):
@@ -325,6 +328,7 @@ def run(a: argparse.Namespace) -> int:
         "dataset": a.dataset, "batch_sizes": sizes, "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature, "repeats": a.repeats, "draft": a.draft, "spec_steps": a.spec_steps,
         "attention_backend": a.attention_backend or "auto",
+        "prefix_cache": not a.disable_prefix_cache,
         "command": "mleagle bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     }
     if not a.skip_load:
@@ -339,7 +343,7 @@ def run(a: argparse.Namespace) -> int:
     tok = Tokenizer.from_source(cfg.model)
     if tok is None:
         raise ValueError(f"model {cfg.model.name!r} has no tokenizer: the benchmark needs chat prompts")
-    prompts_all = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+    prompts_all = [tok.encode_chat([{"role": "user", "content": t}])
                    for t in texts]
     # The KV pool is sized to the largest batch (prompts + new tokens + slack) unless given.
     need = sum(sorted((len(p) for p in prompts_all), reverse=True)[: max(sizes)]) + max(sizes) * (a.max_new_tokens + 16)
@@ -348,6 +352,8 @@ def run(a: argparse.Namespace) -> int:
     for k in ("draft", "spec_steps", "threads", "attention_backend"):
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
+    if a.disable_prefix_cache:
+        over["enable_prefix_cache"] = False
     over.update(tp_overrides(a))
     tp = int(over.get("tp_size", 1))
     if tp > 1 and not a.skip_hf:
@@ -360,8 +366,9 @@ def run(a: argparse.Namespace) -> int:
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
     target = None
-    if a.draft not in (None, "", "none") and tp == 1:
-        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")})
+    report["draft"] = a.draft if a.draft is not None else cfg.model.default_draft  # as given (no machine path)
+    if engine.cfg.engine.draft not in ("", "none") and tp == 1:
+        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")}, draft="none")
     report["engine_load_s"] = round(engine.load_time_s, 3)
     report["weights"] = weight_report(engine)
     kv, kv_ptrs = kv_report(engine)

@@ -240,7 +240,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     print(f"mleagle bench gpu: {a.model} {res['dtype']} on {res['machine'].get('gpu', 'cpu')}; {base.graph_report}", flush=True)
     if "graphs" in configs:
         sweep(base, "target graphs")
-        if a.profile:
+        if a.profile and torch.cuda.is_available():
             res["profile_bs1_target"] = profile_bs1(base, prompts[0], min(a.max_new_tokens, 128))
     if "eager" in configs:
         e = engine_for(a.model, max(bss), a.max_new_tokens, plen, cuda_graph=False)
@@ -266,7 +266,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             e.worker.simulate_accepted = a.simulate_accept_len - 1
         label = f"{'spec' if c == 'spec' else 'spec eager'} {a.draft}" + (f" L={a.simulate_accept_len}" if sim else "")
         sweep(e, label, simulated=sim)
-        if a.profile and c == "spec":
+        if a.profile and c == "spec" and torch.cuda.is_available():
             res["profile_bs1_spec"] = profile_bs1(e, prompts[0], min(a.max_new_tokens, 128))
             res["profile_bs1_spec"]["simulated"] = sim
         del e
@@ -284,7 +284,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     res.setdefault("skipped", []).append(f"hf-static bs {bs}: {type(err).__name__}: {err}")
         del hf
     del base
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if a.big:
         res["big"] = run_big(a)
     res["finished"] = time.time()

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--disable-prefix-cache", action="store_true", help="recompute every prompt (no prefix KV reuse)")
     p.add_argument("--threads", type=int, default=None)
     add_tp_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
@@ -101,7 +102,8 @@ def engine_overrides(a: argparse.Namespace) -> dict[str, Any]:
     keys = {"device": a.device, "dtype": a.dtype, "draft": a.draft, "spec_steps": a.spec_steps,
             "max_total_tokens": a.max_total_tokens, "max_context_len": a.max_context_len,
             "max_running_requests": a.max_running_requests, "chunked_prefill_size": a.chunked_prefill_size,
-            "threads": a.threads, "seed": a.seed, "attention_backend": a.attention_backend}
+            "threads": a.threads, "seed": a.seed, "attention_backend": a.attention_backend,
+            "enable_prefix_cache": False if a.disable_prefix_cache else None}
     keys.update(tp_overrides(a))
     return {k: v for k, v in keys.items() if v is not None}
 

@@ -14,9 +14,10 @@ Row counts come from one rule: each captured bucket records `row_meta(mode, padd
 per-rank token and logprob counts of the configured tensor-parallel layout) and a replay recomputes
 them from the live batch after padding; the two must agree (`MetaMismatch` otherwise), which is the
 check that would have caught a draft-extend graph recording `[bs]` logprob rows where the forward
-makes bs·W. The captured metadata is stamped on the static batch (`ForwardBatch.row_meta`), so the
-tensor-parallel gathers inside the captured forward are sized by exactly what the check compares. On a machine without CUDA (`emulate`), the same buffers, padding and metadata run with an
-eager forward instead of a replay, so the CPU tests exercise everything but the graph itself.
+makes bs·W. Each bucket's batch view carries its captured metadata (`ForwardBatch.row_meta`), so the
+tensor-parallel gathers inside the captured forward are sized by exactly what the check compares. On a
+machine without CUDA (`emulate`), the same buffers, padding and metadata run with an eager forward
+instead of a replay, so the CPU tests exercise everything but the graph itself.
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ class GraphRunner:
         if mode is ForwardMode.DRAFT_EXTEND:
             self.buf["hidden_in"] = torch.zeros(t, hidden_size, dtype=dtype, device=dev)
         self.pad = {k: v.clone() for k, v in self.buf.items()}
+        # (buffer, its rows per request): W token rows, one request row, the rule's logit rows.
+        self._per = [(k, self.rows(1) if k == "logit_rows" else 1 if k in ("req_pool_indices", "seq_lens") else w)
+                     for k in self.buf]
+        self._hi = mb  # requests' worth of rows that may hold live data (all of them before the first fill)
+        self._bucket_views: dict[int, ForwardBatch] = {}
         self.caps: dict[int, Capture] = {}
         self.stats = GraphStats()
 
@@ -109,38 +115,48 @@ class GraphRunner:
         return None
 
     def rows(self, bs: int) -> int:
-        """Rows per bucket entry for each buffer: tokens (bs·W), requests (bs), logit rows (rule)."""
+        """Logit rows of a padded batch of `bs` requests, by the one rule."""
         return row_meta(self.mode, bs, self.width, pruned=self.pruned).logit_rows
 
+    def _views(self, pbs: int) -> ForwardBatch:
+        """The bucket's batch view over the fixed buffers (built once per bucket: the same objects, so a
+        graph captured on them reads the same addresses at every replay). It carries the bucket's row
+        metadata (`row_meta`): the per-rank counts the captured forward's tensor-parallel gathers are
+        sized by, which every replay of the bucket must reproduce (`run` checks)."""
+        v = self._bucket_views.get(pbs)
+        if v is None:
+            w, tot = self.width, pbs * self.width
+            v = ForwardBatch(
+                mode=self.mode, input_ids=self.buf["input_ids"][:tot], positions=self.buf["positions"][:tot],
+                out_cache_loc=self.buf["out_cache_loc"][:tot], req_pool_indices=self.buf["req_pool_indices"][:pbs],
+                seq_lens=self.buf["seq_lens"][:pbs], extend_lens=[w] * pbs, prefix_lens=[0] * pbs,
+                logit_rows=self.buf["logit_rows"][: self.rows(pbs)], binding=self.runner.binding, width=w,
+                hidden_in=self.buf["hidden_in"][:tot] if "hidden_in" in self.buf else None, pruned=self.pruned,
+                max_seq_len=w, graph_bs=pbs)
+            v = self._bucket_views[pbs] = dataclasses.replace(v, row_meta=self.meta_of(v))
+        return v
+
     def static_batch(self, batch: ForwardBatch | None, pbs: int) -> ForwardBatch:
-        """Copy a live batch (None at capture: all pad rows) into the buffers, padded to `pbs`."""
-        w = self.width
+        """Copy a live batch (None at capture: all pad rows) into the buffers, padded to `pbs`.
+
+        Rows past the live ones hold the pad template: refilled only where an earlier, larger batch
+        left live data (`_hi`, in requests), so steady decoding copies nothing but the live rows."""
+        base = self._views(pbs)
         bs = batch.bs if batch is not None else 0
-        per = {"input_ids": w, "positions": w, "out_cache_loc": w, "req_pool_indices": 1, "seq_lens": 1,
-               "hidden_in": w}
-        for k, buf in self.buf.items():
-            n = self.rows(1) if k == "logit_rows" else per[k]
-            live = n * bs
-            total = (self.rows(pbs) if k == "logit_rows" else n * pbs)
-            if batch is not None and live:
-                src = getattr(batch, k)
-                if k == "hidden_in" and src is None:
-                    raise ValueError("a draft-extend batch without input hidden states")
-                buf[:live].copy_(src.reshape(buf[:live].shape))
-            if total > live:
-                buf[live:total].copy_(self.pad[k][live:total])
-        tot = pbs * w
-        host = list(batch.prefix_lens) if batch is not None else []
-        b = ForwardBatch(
-            mode=self.mode, input_ids=self.buf["input_ids"][:tot], positions=self.buf["positions"][:tot],
-            out_cache_loc=self.buf["out_cache_loc"][:tot], req_pool_indices=self.buf["req_pool_indices"][:pbs],
-            seq_lens=self.buf["seq_lens"][:pbs], extend_lens=[w] * pbs, prefix_lens=host + [0] * (pbs - bs),
-            logit_rows=self.buf["logit_rows"][: self.rows(pbs)], binding=self.runner.binding, width=w,
-            hidden_in=self.buf["hidden_in"][:tot] if "hidden_in" in self.buf else None,
-            rids=batch.rids if batch is not None else (), pruned=self.pruned,
-            max_seq_len=max(batch.max_seq_len if batch is not None else 0, w), graph_bs=pbs,
-        )
-        return b
+        if batch is not None:
+            if "hidden_in" in self.buf and batch.hidden_in is None:
+                raise ValueError("a draft-extend batch without input hidden states")
+            for k, per in self._per:
+                n = per * bs
+                self.buf[k][:n].copy_(getattr(batch, k).reshape(self.buf[k][:n].shape))
+        if self._hi > bs:
+            for k, per in self._per:
+                self.buf[k][per * bs : per * self._hi].copy_(self.pad[k][per * bs : per * self._hi])
+        self._hi = bs
+        if batch is None:
+            return base
+        return dataclasses.replace(base, prefix_lens=list(batch.prefix_lens) + [0] * (pbs - bs), rids=batch.rids,
+                                   max_seq_len=max(batch.max_seq_len, self.width))
 
     def meta_of(self, sb: ForwardBatch) -> RowMeta:
         """The metadata a padded static batch produces (at capture: all pad rows; at replay: live + pad)."""
@@ -161,8 +177,8 @@ class GraphRunner:
             backend.init_graph(self.buckets[-1], self.width)
         for pbs in sorted(self.buckets, reverse=True):
             sb = self.static_batch(None, pbs)
-            meta = self.meta_of(sb)
-            sb = dataclasses.replace(sb, row_meta=meta)  # the counts the captured gathers are sized by
+            meta = sb.row_meta  # the bucket's: what the captured gathers are sized by (`_views`)
+            assert meta is not None
             if int(sb.logit_rows.shape[0]) != meta.logit_rows:
                 raise MetaMismatch(f"{self.runner.name}: buffer of {sb.logit_rows.shape[0]} logit rows, rule {meta.logit_rows}")
             if not cuda:
@@ -207,7 +223,6 @@ class GraphRunner:
         meta = self.meta_of(sb)
         if meta != cap.meta:
             raise MetaMismatch(f"{self.runner.name} {self.mode.value} bs {batch.bs}→{pbs}: replay {meta} != capture {cap.meta}")
-        sb = dataclasses.replace(sb, row_meta=meta)
         if cap.graph is None:  # emulated: the same buffers and padding, an eager forward
             out = self.runner.forward_eager(sb, observe=False)
         else:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mleagle.engine.executor.graph_runner import GraphRunner
 
 from mleagle.engine.attention.base import AttentionBackend, BindingError
-from mleagle.engine.executor.forward_batch import ForwardBatch
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, Layout, RowMeta, row_meta
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 
@@ -76,6 +76,23 @@ class ModelRunner:
     def bind(self, batch: ForwardBatch) -> ForwardBatch:
         return dataclasses.replace(batch, binding=self.binding)
 
+    @property
+    def tp_size(self) -> int:
+        return int(getattr(self.model, "tp_size", 1))
+
+    @property
+    def layout(self) -> Layout:
+        return getattr(self.model, "layout", "all_reduce")
+
+    def row_meta(self, batch: ForwardBatch) -> RowMeta:
+        """The row counts this runner's forward of `batch` is sized by: the batch's own (a graph bucket's)
+        or the rule's for this runner's tensor-parallel size and layout."""
+        return batch.row_meta if batch.row_meta is not None else batch.meta(self.tp_size, self.layout)
+
+    def rule_meta(self, mode: ForwardMode, bs: int, width: int, pruned: bool = False) -> RowMeta:
+        """The rule's row counts of a uniform forward of this runner (what a graph of it records)."""
+        return row_meta(mode, bs, width, pruned=pruned, tp_size=self.tp_size, layout=self.layout)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if batch.binding is not self.binding:
@@ -98,10 +115,9 @@ class ModelRunner:
         if batch.binding is not self.binding:
             raise BindingError(f"runner {self.name} refuses a batch bound to "
                                f"{batch.binding.name if batch.binding else 'nothing'}")
-        tp_size = getattr(self.model, "tp_size", 1)
-        if tp_size > 1 and batch.row_meta is None:
+        if self.tp_size > 1 and batch.row_meta is None:
             # Every tensor-parallel gather of this forward is sized by the one row-count rule.
-            batch = dataclasses.replace(batch, row_meta=batch.meta(tp_size, self.model.layout))  # type: ignore[arg-type]
+            batch = dataclasses.replace(batch, row_meta=self.row_meta(batch))
         self.binding.backend.plan(batch)
         hidden = self.model(batch)
         if hasattr(self.model, "logits"):

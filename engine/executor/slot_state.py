@@ -170,15 +170,24 @@ class SlotState:
         return counts, seen, ban
 
     def commit(self, rpi: torch.Tensor, tokens: torch.Tensor, n_emit: torch.Tensor, flags: RowFlags,
-               kv: bool = True) -> None:
+               kv: bool = True, live: torch.Tensor | None = None) -> None:
         """Advance the rows after an iteration: tokens [bs, W] (the first n_emit[b] valid). A decode or
-        verify iteration wrote KV for n_emit positions (`kv`); a prefill's first token wrote none."""
+        verify iteration wrote KV for n_emit positions (`kv`); a prefill's first token wrote none. With
+        `live` (graph padding), rows where it is False keep their values: padded rows all name the pad
+        row, which nothing may change."""
         bs, w = tokens.shape
         last = tokens.gather(1, (n_emit - 1).view(-1, 1)).view(-1)
-        self.last_tok[rpi] = last
-        self.n_out[rpi] += n_emit
-        if kv:
-            self.kv_len[rpi] += n_emit
+        if live is None:
+            self.last_tok[rpi] = last
+            self.n_out[rpi] += n_emit
+            if kv:
+                self.kv_len[rpi] += n_emit
+        else:
+            keep = live.to(torch.int64)
+            self.last_tok[rpi] = torch.where(live, last, self.last_tok[rpi])
+            self.n_out[rpi] += n_emit * keep
+            if kv:
+                self.kv_len[rpi] += n_emit * keep
         if flags.penalties and self.counts is not None:
             valid = (self._ar[:w].view(1, -1) < n_emit.view(-1, 1)).to(torch.int32)
             self.counts.index_put_((rpi.view(-1, 1).expand(bs, w).reshape(-1), tokens.reshape(-1)),

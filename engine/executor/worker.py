@@ -9,6 +9,8 @@ scatter the new state back, and start one non-blocking copy of the results into 
 so the engine can launch step N+1 before it finishes step N (overlap scheduling). The speculative
 worker (`mleagle.engine.spec.worker`) implements the same interface with draft runners beside the
 target. `lookahead` says how many KV positions one decode step writes per request beyond `kv_len`.
+A request that hit the prefix cache starts with `kv_len` at its cached length, so prefill computes only
+the rest.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch
 
 from mleagle.engine.contract.outputs import TokenLogprob
 from mleagle.engine.core.request import Req
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch, uniform_batch
+from mleagle.engine.executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    RowMeta,
+    build_batch,
+    uniform_batch,
+)
+from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
 from mleagle.engine.executor.slot_state import SlotState
 from mleagle.engine.sampling.processor import RowFlags, penalize
@@ -60,20 +69,48 @@ class Timer:
         return [m[i + 1] - m[i] for i in range(len(m) - 1)]
 
 
+@dataclass(frozen=True)
+class FwdInfo:
+    """What one forward of an iteration was, for events: host values only (no tensors kept)."""
+
+    runner: str
+    mode: str
+    bs: int
+    rids: tuple[str, ...]
+    tokens_per_req: list[int]
+    num_tokens: int
+    graph_bs: int  # the bucket it replayed at; 0 = eager
+    eager_reason: str | None
+
+    @staticmethod
+    def of(runner: str, b: ForwardBatch, graph_bs: int, why: str | None, bs: int | None = None) -> FwdInfo:
+        n = b.bs if bs is None else bs
+        return FwdInfo(runner, b.mode.value, n, b.rids, [b.width] * n if b.mode.uniform else list(b.extend_lens),
+                       n * b.width if b.mode.uniform else b.num_tokens, graph_bs, why)
+
+
 @dataclass
 class Pending:
     """An iteration launched on the device whose results are still on their way back."""
 
     reqs: list[Req]
-    batch: ForwardBatch
     width: int  # token slots per request in the packed result
     flags: RowFlags
     packed: torch.Tensor  # host (pinned on CUDA) float64 [bs, K]: tokens, emitted count, logprobs
     done: torch.cuda.Event | None
     timer: Timer
     epoch: list[int]  # each request's epoch at launch: a request preempted since gets no results
-    # Every forward of the iteration: (runner name, batch view, graph bucket or 0, why eager).
-    forwards: list[tuple[str, ForwardBatch, int, str | None]] = field(default_factory=list)
+    forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
+
+
+@dataclass(frozen=True)
+class HostView:
+    """The host's description of a decode batch: KV lengths as the host knows them (one iteration behind
+    the device's while a step is in flight), a bound covering the device's, and the request ids."""
+
+    kv_lens: list[int]
+    max_seq_len: int
+    rids: tuple[str, ...]
 
 
 def pack(tokens: torch.Tensor, n_emit: torch.Tensor, lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -114,6 +151,7 @@ def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
 
 class TargetWorker:
     lookahead = 1
+    prefix_margin = 0  # cached positions a hit leaves to recompute (see SpecWorker.prefix_margin)
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
                  vocab: int = 0, max_reqs: int = 0, steps: int = 0):
@@ -125,7 +163,8 @@ class TargetWorker:
         self.state = SlotState(max_reqs, self.vocab, steps, self.device, sorted(eos_ids))
         self.last_batch: ForwardBatch | None = None
         self.inflight = 0  # iterations launched and not yet finished (0 or 1)
-        self.forwards: list = []  # the last launch's forwards (runner, batch, graph bucket, why eager)
+        self.forwards: list[FwdInfo] = []  # the last launch's forwards
+        self.iter_graph: IterationGraph | None = None  # whole-iteration graphs (plain greedy batches)
         self._pinned = self.device.type == "cuda"
 
     @property
@@ -187,13 +226,15 @@ class TargetWorker:
             lp = logprobs(x_raw, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
             self.state.commit(rpi, tok.view(-1, 1), torch.ones_like(tok), flags, kv=False)
             host = pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1).cpu()
-            p = Pending(fr, batch, 1, flags, host, None, Timer(self.device), [r.epoch for r in fr])
+            p = Pending(fr, 1, flags, host, None, Timer(self.device), [r.epoch for r in fr])
             for i, (toks, lps) in zip(first, unpack(p)):
                 results[i].tokens = toks
                 results[i].logprobs = lps
         return results
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
+        if flags.plain:
+            return x_raw.argmax(-1)
         rows = self.state.rows(rpi, 1, flags)
         x = penalize(x_raw, rows, *self.state.context(rpi, flags))
         return sample(x, rows)[0]
@@ -216,15 +257,12 @@ class TargetWorker:
         t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         return t.pin_memory().to(self.device, non_blocking=True) if self._pinned else t
 
-    def view(self, mode: ForwardMode, reqs: list[Req], rpi: torch.Tensor, input_ids: torch.Tensor, width: int,
-             logit_rows: torch.Tensor, pruned: bool = False) -> ForwardBatch:
+    def view(self, mode: ForwardMode, rpi: torch.Tensor, input_ids: torch.Tensor, width: int,
+             logit_rows: torch.Tensor, host: HostView, pruned: bool = False) -> ForwardBatch:
         """The iteration's shared view: positions, slots and lengths from the slot state, on the device."""
-        lag = self.inflight * self.lookahead  # an iteration in flight may still advance kv_len
-        host = [r.kv_len for r in reqs]
         return uniform_batch(mode, input_ids=input_ids, req_pool_indices=rpi, kv_lens=self.state.kv_len[rpi],
-                             req_to_token=self.r2t, width=width, host_kv_lens=host,
-                             max_seq_len=max(host, default=0) + lag + width, logit_rows=logit_rows, pruned=pruned,
-                             rids=tuple(r.rid for r in reqs))
+                             req_to_token=self.r2t, width=width, host_kv_lens=host.kv_lens,
+                             max_seq_len=host.max_seq_len, logit_rows=logit_rows, pruned=pruned, rids=host.rids)
 
     def decode_batch(self, reqs: list[Req]) -> ForwardBatch:
         """A DECODE view built from host lists (reference probes and tests; the engine uses `launch`)."""
@@ -234,24 +272,48 @@ class TargetWorker:
                         req_to_token=self.r2t, device=self.device, rids=tuple(r.rid for r in reqs))
         return self.target.bind(b)
 
+    def host_view(self, reqs: list[Req]) -> HostView:
+        lag = self.inflight * self.lookahead  # an iteration in flight may still advance kv_len
+        kv = [r.kv_len for r in reqs]
+        return HostView(kv, max(kv, default=0) + lag + self.lookahead, tuple(r.rid for r in reqs))
+
+    def capture_view(self, pbs: int) -> HostView:
+        """The host description a whole-iteration capture records (its kernels read lengths on the device)."""
+        return HostView([0] * pbs, self.r2t.shape[1], ())
+
     def launch(self, reqs: list[Req]) -> Pending:
         bs = len(reqs)
         timer = Timer(self.device)
         timer.mark()
         rpi = self.rpi_of(reqs)
+        flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        g = self.iter_graph
+        if g is not None and flags.plain and flags.logprobs < 0 and g.bucket(bs) is not None:
+            packed, pbs = g.run(rpi, bs)
+            self.forwards = [FwdInfo(self.target.name, "DECODE", bs, tuple(r.rid for r in reqs), [1] * bs, bs, pbs, None)]
+        else:
+            packed, _ = self._decode_body(rpi, None, flags, self.host_view(reqs), eager=False)
+        timer.mark()
+        return self._send(reqs, 1, flags, packed, timer)
+
+    def _decode_body(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView,
+                     eager: bool) -> tuple[torch.Tensor, list[RowMeta]]:
+        """One decode step on the device: view from the slot state, forward, sample, commit, pack. `eager`
+        runs the forward eagerly (inside a whole-iteration capture); `live` masks padded rows' writes."""
         st = self.state
-        ar = self._arange(bs)
-        batch = self.target.bind(self.view(ForwardMode.DECODE, reqs, rpi, st.last_tok[rpi], 1, ar))
-        out = self.target.forward(batch)
+        bs = int(rpi.shape[0])
+        batch = self.target.bind(uniform_batch(
+            ForwardMode.DECODE, input_ids=st.last_tok[rpi], req_pool_indices=rpi, kv_lens=st.kv_len[rpi],
+            req_to_token=self.r2t, width=1, host_kv_lens=host.kv_lens, max_seq_len=host.max_seq_len,
+            logit_rows=self._arange(bs), rids=host.rids))
+        out = self.target.forward_eager(batch, observe=False) if eager else self.target.forward(batch)
         self.last_batch = batch
-        self.forwards = [(self.target.name, batch, out.graph_bs, out.eager_reason)]
-        flags = st.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         tok = self._sample(out.logits, rpi, flags)
         lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
-        st.commit(rpi, tok.view(-1, 1), one, flags)
-        timer.mark()
-        return self._send(reqs, batch, 1, flags, pack(tok.view(-1, 1), one, lp, 1), timer)
+        st.commit(rpi, tok.view(-1, 1), one, flags, live=live)
+        return pack(tok.view(-1, 1), one, lp, 1), [self.target.row_meta(batch)]
 
     def _arange(self, n: int) -> torch.Tensor:
         a = getattr(self, "_ar_cache", None)
@@ -259,8 +321,7 @@ class TargetWorker:
             a = self._ar_cache = torch.arange(max(n, 64) * 2, device=self.device)
         return a[:n]
 
-    def _send(self, reqs: list[Req], batch: ForwardBatch, width: int, flags: RowFlags, packed: torch.Tensor,
-              timer: Timer) -> Pending:
+    def _send(self, reqs: list[Req], width: int, flags: RowFlags, packed: torch.Tensor, timer: Timer) -> Pending:
         """Start the one copy back of the iteration (pinned, non-blocking on CUDA)."""
         done = None
         if self._pinned:
@@ -271,7 +332,7 @@ class TargetWorker:
         else:
             host = packed
         self.inflight += 1
-        return Pending(list(reqs), batch, width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
+        return Pending(list(reqs), width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
 
     def finish(self, p: Pending) -> list[StepResult]:
         """Wait for an iteration's results; a request preempted or finished since its launch gets none."""
@@ -293,6 +354,11 @@ class TargetWorker:
 
     def decode(self, reqs: list[Req]) -> list[StepResult]:
         return self.finish(self.launch(reqs))
+
+    def kv_valid_len(self, req: Req) -> int:
+        """Leading positions of `req` whose KV is computed in every runner's pool: what the prefix
+        cache may keep when the request ends or is preempted. The target's pool is all there is here."""
+        return req.kv_len
 
     def release(self, req: Req) -> None:
         """Drop per-request worker state (the speculative worker keeps prefill hidden states here)."""

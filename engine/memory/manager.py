@@ -1,33 +1,41 @@
-"""The memory manager: request slots and KV pages for every runner, in one place.
+"""The memory manager: request slots, KV pages and the prefix cache for every runner, in one place.
 
-It owns the shared `SlotAllocator` and a free list of request slots, and it writes each allocation
-into every runner's request-to-token map, so the target and all draft runners always agree on which
-slot holds which position. Requests grow by `ensure(req, n)`; everything a request holds comes back
-with `release(req)`, whatever way the request ended.
+It owns the shared `SlotAllocator`, a free list of request slots and (unless disabled) the
+`RadixCache`, and it writes each allocation into every runner's request-to-token map, so the target
+and all draft runners always agree on which slot holds which position. A request starts with
+`match` (the longest cached prefix of its tokens, locked, its pages written into every map by the
+first `ensure`), grows by `ensure(req, n)` (which evicts unused cached prefixes before it fails), and
+gives everything back with `release(req, keep)`, whatever way it ended: the KV of `keep` (the tokens
+whose KV is valid in every runner) goes into the cache, the prefix is unlocked, the rest is freed.
+`audit` checks that every page has exactly one owner (tests run it after every step).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from mleagle.engine.memory.allocator import SlotAllocator
+from mleagle.engine.memory.radix_cache import RadixCache
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 
 
 class HoldsKV(Protocol):
     req_pool_idx: int | None
     pages: list[int]
+    prefix_node: Any  # the locked cache node the request's prefix ends at (None: no cached prefix)
+    cached_len: int  # tokens at the front of `pages` that belong to the cache (a whole number of pages)
 
 
 class MemoryManager:
-    def __init__(self, allocator: SlotAllocator, maps: list[ReqToTokenPool]):
+    def __init__(self, allocator: SlotAllocator, maps: list[ReqToTokenPool], prefix_cache: bool = False):
         self.allocator = allocator
         self.maps = maps
         self.max_reqs = maps[0].max_reqs
         self.max_context = maps[0].max_context
         self.free_reqs: list[int] = list(range(self.max_reqs - 1, -1, -1))
+        self.cache: RadixCache | None = RadixCache(allocator) if prefix_cache else None
 
     def add_map(self, m: ReqToTokenPool) -> None:
         if m.max_reqs != self.max_reqs or m.max_context != self.max_context:
@@ -38,43 +46,176 @@ class MemoryManager:
     def page_size(self) -> int:
         return self.allocator.page_size
 
+    @property
+    def evictable_pages(self) -> int:
+        return self.cache.evictable_tokens // self.page_size if self.cache is not None else 0
+
+    @property
+    def num_used_tokens(self) -> int:
+        """Slots held by requests (their own pages and the cached prefixes they lock); slots only the
+        cache holds are reusable at any time and count as free here, as in vLLM's and SGLang's usage."""
+        a = self.allocator
+        return a.capacity_tokens - a.num_free_tokens - (self.cache.evictable_tokens if self.cache else 0)
+
+    # --- the prefix cache ----------------------------------------------------------------------------
+    def match(self, req: HoldsKV, ids: list[int], margin: int = 0) -> int:
+        """Lock the longest cached prefix of `ids` (whole pages) for a request that holds nothing and
+        make it the front of its pages; returns its length in tokens (0 without a cache). `margin`
+        tokens are left off the end of the match (then whole pages): KV there may have been computed
+        from tokens past the prefix (a draft layer reads ahead), which this request does not share."""
+        if req.pages or req.req_pool_idx is not None:
+            raise RuntimeError("match: the request already holds KV")
+        if self.cache is None or not ids:
+            return 0
+        pages, node = self.cache.match(ids)
+        keep = max(0, len(pages) * self.page_size - margin) // self.page_size
+        if keep < len(pages):
+            pages, node = self.cache.match(ids[: keep * self.page_size])
+        if not pages:
+            return 0
+        self.cache.lock(node)
+        req.pages, req.prefix_node, req.cached_len = list(pages), node, len(pages) * self.page_size
+        return req.cached_len
+
+    def unmatch(self, req: HoldsKV) -> None:
+        """Give a matched prefix back untouched (the request was not admitted after all)."""
+        if req.req_pool_idx is not None:
+            raise RuntimeError("unmatch: the request was already given a request slot")
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
+        req.pages, req.prefix_node, req.cached_len = [], None, 0
+
+    def _take(self, n_pages: int) -> list[int] | None:
+        """n pages from the allocator, evicting least recently used cached prefixes if it is short."""
+        short = n_pages - len(self.allocator.free_pages)
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short * self.page_size)
+        return self.allocator.alloc(n_pages)
+
+    # --- requests -----------------------------------------------------------------------------------
     def pages_needed(self, req: HoldsKV, new_len: int) -> int:
         return max(0, -(-new_len // self.page_size) - len(req.pages))
 
     def can_ensure(self, req: HoldsKV, new_len: int, reserve_pages: int = 0) -> bool:
         need = self.pages_needed(req, new_len) + reserve_pages
-        return need <= len(self.allocator.free_pages) and (req.req_pool_idx is not None or self.free_reqs)
+        have = len(self.allocator.free_pages) + self.evictable_pages
+        return need <= have and (req.req_pool_idx is not None or bool(self.free_reqs))
 
-    def ensure(self, req: HoldsKV, new_len: int) -> bool:
-        """Give `req` slots for positions [0, new_len). False (nothing changed) if the pool is short."""
+    def ensure(self, req: HoldsKV, new_len: int, grow: int = 0) -> bool:
+        """Give `req` slots for positions [0, new_len). False (nothing changed) if the pool is short.
+
+        `grow` asks for up to that many more positions while free pages allow (never by evicting), so a
+        decoding request takes pages in blocks and most steps need no allocation and no map write."""
         if new_len > self.max_context:
             raise ValueError(f"position {new_len} beyond the request-to-token map ({self.max_context})")
         if req.req_pool_idx is None:
             if not self.free_reqs:
                 return False
         need = self.pages_needed(req, new_len)
-        pages = self.allocator.alloc(need) if need else []
+        if need and grow:
+            top = max(new_len, min(new_len + grow, self.max_context // self.page_size * self.page_size))
+            more = min(self.pages_needed(req, top) - need, len(self.allocator.free_pages) - need)
+            need += max(more, 0)
+        pages = self._take(need) if need else []
         if pages is None:
             return False
         if req.req_pool_idx is None:
             req.req_pool_idx = self.free_reqs.pop()
+            self._write(req, 0, req.pages)  # a cached prefix's pages
         if pages:
             start = len(req.pages) * self.page_size
             req.pages.extend(pages)
-            p = torch.tensor(pages, dtype=torch.int64)
-            slots = (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-            for m in self.maps:
-                m.req_to_token[req.req_pool_idx, start : start + len(slots)] = slots.to(m.req_to_token.device)
+            self._write(req, start, pages)
         return True
 
-    def release(self, req: HoldsKV) -> None:
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
+    def _write(self, req: HoldsKV, start: int, pages: list[int]) -> None:
+        if not pages:
+            return
+        p = torch.tensor(pages, dtype=torch.int64)
+        slots = (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        for m in self.maps:
+            m.req_to_token[req.req_pool_idx, start : start + len(slots)] = slots.to(m.req_to_token.device)
+
+    def release(self, req: HoldsKV, keep: list[int] | None = None) -> None:
+        """Give back everything `req` holds. `keep` are the leading tokens whose KV is valid in every
+        runner's pool: their whole pages go into the prefix cache (pages the cache already held for
+        the same tokens are freed as duplicates); everything else is freed."""
+        p = self.page_size
+        own = req.cached_len // p  # pages before this index belong to the cache
+        if self.cache is not None and keep:
+            n = min(len(keep) // p, len(req.pages))
+            if n > own:
+                present = self.cache.insert(keep[: n * p], req.pages[:n]) // p
+                self.allocator.free(req.pages[own : max(own, present)])
+                own = n
+        if req.pages[own:]:
+            self.allocator.free(req.pages[own:])
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
+        req.pages, req.prefix_node, req.cached_len = [], None, 0
         if req.req_pool_idx is not None:
             self.free_reqs.append(req.req_pool_idx)
             req.req_pool_idx = None
 
+    def reset_cache(self) -> int:
+        """Evict every cached prefix no request uses; returns the tokens freed."""
+        return self.cache.reset() if self.cache is not None else 0
+
     @property
     def num_used_reqs(self) -> int:
         return self.max_reqs - len(self.free_reqs)
+
+    # --- checks -------------------------------------------------------------------------------------
+    def audit(self, reqs: list[Any], check_locks: bool = True) -> list[str]:
+        """Every page has exactly one owner: the free list, the cache, or one live request (its pages
+        after `cached_len`); a live request's cached prefix is in the tree; with `check_locks`, every
+        node's lock count equals the live requests using it. Returns what is wrong (empty when all is
+        well)."""
+        bad: list[str] = []
+        p = self.page_size
+        free = set(self.allocator.free_pages)
+        if len(free) != len(self.allocator.free_pages):
+            bad.append("a page twice in the free list")
+        tree = self.cache.pages() if self.cache is not None else set()
+        if self.cache is not None:
+            bad += self.cache.check()
+        owned: set[int] = set()
+        locks: dict[int, int] = {}
+        for r in reqs:
+            own = r.pages[r.cached_len // p :]
+            prefix = r.pages[: r.cached_len // p]
+            if owned & set(own) or len(set(own)) != len(own):
+                bad.append(f"{getattr(r, 'rid', '?')}: a page owned twice")
+            owned |= set(own)
+            if set(prefix) - tree:
+                bad.append(f"{getattr(r, 'rid', '?')}: cached prefix pages not in the tree (freed while in use)")
+            if r.cached_len and r.prefix_node is None:
+                bad.append(f"{getattr(r, 'rid', '?')}: a cached prefix without a locked node")
+            node = r.prefix_node
+            while node is not None and node.parent is not None:
+                locks[node.id] = locks.get(node.id, 0) + 1
+                node = node.parent
+        if free & tree or free & owned or tree & owned:
+            bad.append(f"pages with two owners: free&tree {len(free & tree)}, free&req {len(free & owned)}, "
+                       f"tree&req {len(tree & owned)}")
+        everything = set(range(1, self.allocator.num_pages))
+        lost = everything - free - tree - owned
+        if lost:
+            bad.append(f"{len(lost)} pages owned by nobody (leaked)")
+        if self.cache is not None and check_locks:
+            for n in self.cache.nodes():
+                if n.lock != locks.get(n.id, 0):
+                    bad.append(f"node {n.id}: lock {n.lock}, but {locks.get(n.id, 0)} live requests use it")
+        return bad
+
+    def idle_problems(self) -> list[str]:
+        """With no request alive: every page free or evictable in the cache, no lock left, every
+        request slot free (what "nothing leaks" means with a prefix cache)."""
+        bad = self.audit([])
+        a = self.allocator
+        evictable = self.cache.evictable_tokens if self.cache is not None else 0
+        if a.num_free_tokens + evictable != a.capacity_tokens:
+            bad.append(f"idle: {a.num_free_tokens} free + {evictable} evictable != {a.capacity_tokens} tokens")
+        if sorted(self.free_reqs) != list(range(self.max_reqs)):
+            bad.append("idle: request slots not all free")
+        return bad

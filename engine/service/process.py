@@ -1,8 +1,11 @@
 """The engine process: `python -m mleagle.engine.service.process`, started and supervised by the daemon.
 
-It builds `Engine(cfg)`, saves the tokenizer under the run dir (so the daemon loads it without torch),
-connects to the daemon's private `ipc://` sockets (PULL for requests, PUSH for outputs; both bound by
-the daemon inside a 0700 temp dir) and publishes state events on a PUB socket. The loop drains every
+It reads its configuration as JSON from a file or, as the daemon starts it, from stdin (`--config-file -`:
+nothing lands on disk, and the daemon leaves the API key out), builds `Engine(cfg)`, saves the
+tokenizer under the run dir (so the daemon loads it without torch), connects to the daemon's private
+`ipc://` sockets (PULL for requests, PUSH for outputs; both bound by the daemon inside a 0700 temp
+dir) and publishes state events on a PUB socket. When the daemon dies (SIGKILL runs none of its
+cleanup), the engine gets SIGTERM from the kernel, exits, and removes the daemon's run dir on its way. The loop drains every
 pending message (a blocking poll when idle, non-blocking when there is work), runs one `engine.step()`
 and sends that step's deltas as one `Outputs` message. A bad request is answered with a
 `RequestError` and never stops the loop; a step that raises fails the requests in flight, and three
@@ -20,6 +23,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -50,6 +54,7 @@ log = logging.getLogger("mleagle.engine.service.process")
 IDLE_POLL_MS = 250  # idle wake-up: notices a vanished parent even without PDEATHSIG
 MAX_DRAIN = 512  # messages handled between two steps, so a flood cannot starve decoding
 MAX_STEP_FAILURES = 3
+REPARENT_WAIT_S = 5.0  # after SIGTERM: how long a dying daemon may take to release its children
 
 
 def _die_with_parent(parent: int | None) -> None:
@@ -201,7 +206,7 @@ class EngineLoop:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m mleagle.engine.service.process", description=__doc__)
-    ap.add_argument("--config-file", required=True, help="MleagleConfig as JSON")
+    ap.add_argument("--config-file", required=True, help="MleagleConfig as JSON; '-' reads it from stdin")
     ap.add_argument("--run-dir", required=True, help="private dir for the tokenizer copy")
     ap.add_argument("--requests", required=True, help="zmq address to PULL requests from")
     ap.add_argument("--outputs", required=True, help="zmq address to PUSH outputs to")
@@ -257,12 +262,63 @@ def _event_pump(addr: str | None) -> EventPump | None:
         return None
 
 
+_SIGTERM = [False]
+
+
+def _max_request_tokens(engine: Any) -> int | None:
+    """What `Engine.add_request` admits: prompt + max_new_tokens + lookahead within the pool."""
+    try:
+        return int(engine.allocator.capacity_tokens) - int(engine.worker.lookahead)
+    except AttributeError:  # a stand-in engine
+        return None
+
+
+def _remove_orphaned_run_dir(run_dir: str, parent: int | None) -> None:
+    """The daemon is gone and can no longer remove its run dir: do it, but only a dir of its naming
+    (`mleagle-run-<its pid>-*`), never an arbitrary path. The kernel's SIGTERM for a dying parent can
+    come while the dying daemon's other threads still hold its pid (getppid unchanged), so after a
+    SIGTERM the re-parenting is given a moment to show."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # we are exiting anyway: let nothing cut this short
+    if parent is None:
+        return
+    end = time.monotonic() + (REPARENT_WAIT_S if _SIGTERM[0] else 0.0)
+    while os.getppid() == parent and time.monotonic() < end:
+        time.sleep(0.02)
+    if os.getppid() == parent:
+        return
+    p = Path(run_dir)
+    if p.name.startswith(f"mleagle-run-{parent}-") and p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    _SIGTERM[0] = True
+    raise SystemExit(0)  # unwinds through main's finally (PDEATHSIG sends SIGTERM when the daemon dies)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _main(args)
+    finally:
+        _remove_orphaned_run_dir(args.run_dir, args.parent_pid)
+
+
+def _hard_exit(args: argparse.Namespace, code: int) -> None:
+    """Exit without a clean stop (tensor parallel: the other ranks must fail, and be restarted, with
+    us, and no group destructor may wait on them); the orphaned run dir is still removed."""
+    logging.shutdown()
+    _remove_orphaned_run_dir(args.run_dir, args.parent_pid)
+    os._exit(code)
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[0] %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop (Ctrl-C hits it)
-    cfg = MleagleConfig.model_validate_json(Path(args.config_file).read_text())
+    text = sys.stdin.read() if args.config_file == "-" else Path(args.config_file).read_text()
+    cfg = MleagleConfig.model_validate_json(text)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
@@ -290,14 +346,14 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=getattr(engine, "vocab_size", None),
             pid=os.getpid(),
             world_size=int(cfg.engine.tp_size),
+            max_request_tokens=_max_request_tokens(engine),
         )
     except Exception as e:
         log.error("engine failed to start:\n%s", traceback.format_exc())
         push.send(encode(Fatal(message=f"engine failed to start: {type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)
         if "mleagle.engine.service.ranks" in sys.modules and sys.modules["mleagle.engine.service.ranks"].runtime():
-            logging.shutdown()
-            os._exit(1)  # not a clean stop: the other ranks must fail (and be restarted) with us
+            _hard_exit(args, 1)  # not a clean stop: the other ranks must fail (and be restarted) with us
         return 1
     log.info("engine ready in %.1fs: %s, max context %d", time.perf_counter() - t0, ready.model_name, ready.max_context_len)
     push.send(encode(ready))
@@ -312,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0 and hasattr(engine, "close"):
         engine.close()  # a clean stop: the other tensor-parallel ranks stop too (and their launchers end)
     elif getattr(engine, "ranks", None) is not None:
-        # A failure: exit without a clean stop, so the other ranks fail too and are restarted with us.
-        logging.shutdown()
-        os._exit(code)
+        _hard_exit(args, code)  # a failure: the other ranks fail too and are restarted with us
     return code
 
 

@@ -356,7 +356,7 @@ def start_rank0(cfg: MleagleConfig) -> Runtime:
     store = dist.TCPStore(topo.addr, topo.port, topo.tp, True, datetime.timedelta(seconds=JOIN_TIMEOUT_S),
                           wait_for_workers=False)
     topo.port = store.port
-    store.set(CONFIG_KEY, cfg.model_dump_json())
+    store.set(CONFIG_KEY, cfg.for_engine())  # no secret (the API key) ever reaches the store
     children = [(lr, _spawn_rank(topo, lr, os.getpid())) for lr in range(1, topo.local_size)]
     log.info("tensor parallel: rank 0 of %d (%d per node on %d nodes), rendezvous %s:%d, %d local ranks started",
              topo.tp, topo.local_size, topo.nnodes, topo.addr, topo.port, len(children))

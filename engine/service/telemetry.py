@@ -5,7 +5,9 @@ every hook returns at once. Hooks: `on_forward` (every runner forward → logpro
 width, logit rows against the one row-count rule, and the per-rank token and logprob counts of the
 tensor-parallel layout), `on_step` (the step's batch and any draft-extend
 batches, per-runner pool occupancy, acceptance, request lifecycle and per-token logprobs), `on_add`
-(queued). Everything read here is a Python int, a list length or a tensor shape.
+(queued). Everything read here is a Python int, a list length or a tensor shape. Request events carry
+counts and lifecycle only: token ids, token text and logprobs (another user's output, readable by
+every subscriber) go into them only when the operator sets `server.events_include_text`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from mleagle.engine.contract import events as ev
+from mleagle.engine.executor.worker import FwdInfo
 
 if TYPE_CHECKING:
     from mleagle.engine.contract.outputs import RequestOutput
@@ -48,9 +51,7 @@ class Telemetry:
         rows = int(out.logits.shape[0])
         # The per-rank counts this forward's gathers used: its own (eager), or by the same rule from the
         # live batch (a graph replay ran a padded copy); the rule is the same on every rank.
-        model = runner.model
-        layout = getattr(model, "layout", "all_reduce")
-        m = batch.row_meta or batch.meta(getattr(model, "tp_size", 1), layout)
+        m = runner.row_meta(batch)
         expected = batch.expected_logit_rows
         self.bus.emit(ev.LogprobMetaEvent(
             runner=runner.name, mode=batch.mode.value, bs=batch.bs, width=batch.width, logit_rows=rows,
@@ -68,30 +69,31 @@ class Telemetry:
         bus, step = self.bus, s.num_steps
         w = self.e.worker
         pend = s.last_finished if s.last_mode == "DECODE" else None
-        b = s.last_prefill if s.last_mode == "EXTEND" else pend.batch if pend is not None else None
-        verify = b is not None and b.mode.value == "TARGET_VERIFY"
-        last = getattr(w, "last", None) if verify else None
-        if b is not None and b.mode.value == "EXTEND":
-            self.prompt_window += b.num_tokens
-        forwards = list(pend.forwards) if pend is not None else [("target", b, 0, self.e.target.eager_reason())] if b is not None else []
+        if s.last_mode == "EXTEND" and s.last_prefill is not None:
+            self.prompt_window += s.last_prefill.num_tokens
+            forwards = [FwdInfo.of("target", s.last_prefill, 0, self.e.target.eager_reason())]
+        else:
+            forwards = list(pend.forwards) if pend is not None else []
+        main = forwards[0] if forwards else None
+        last = getattr(w, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
         times = last.draft_layer_s if last is not None else []
         # Draft steps first, the target's batch last, so a subscriber's "last batch" is the step's main forward.
-        for k, (name, fb, gbs, why) in enumerate(forwards[1:] + forwards[:1]):
-            main = name == "target"
-            bus.emit(ev.BatchEvent(step=step, mode=fb.mode.value, runner=name, rids=list(fb.rids),
-                                   num_tokens_per_req=list(fb.extend_lens), num_tokens=fb.num_tokens, bs=fb.bs,
-                                   padded_bs=gbs or fb.bs, graph="replay" if gbs else "eager",
-                                   eager_reason=None if gbs else why,
-                                   duration_s=duration if main else times[k] if k < len(times) else 0.0,
+        for k, f in enumerate(forwards[1:] + forwards[:1]):
+            bus.emit(ev.BatchEvent(step=step, mode=f.mode, runner=f.runner, rids=list(f.rids),  # type: ignore[arg-type]
+                                   num_tokens_per_req=list(f.tokens_per_req), num_tokens=f.num_tokens, bs=f.bs,
+                                   padded_bs=f.graph_bs or f.bs, graph="replay" if f.graph_bs else "eager",
+                                   eager_reason=None if f.graph_bs else f.eager_reason,
+                                   duration_s=duration if f is main else times[k] if k < len(times) else 0.0,
                                    num_running=len(s.running), num_waiting=len(s.waiting)))
         if last is not None and last.bs:
             depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
             bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
-                                        accept_lens=[n + 1 for n in last.accepted], rids=list(b.rids),
+                                        accept_lens=[n + 1 for n in last.accepted], rids=list(main.rids),
                                         draft_time_s=last.draft_s, verify_time_s=last.verify_s,
                                         draft_time_per_layer_s=list(last.draft_layer_s)))
         for u in self.e.pool_usage():
             bus.emit(ev.PoolEvent(runner=u["runner"], kv_used=u["kv_used"], kv_total=u["kv_total"],
+                                  kv_cached=u["kv_cached"], kv_evictable=u["kv_evictable"],
                                   req_used=u["req_used"], req_total=u["req_total"],
                                   page_size=self.e.allocator.page_size, step=step))
         running = {r.rid for r in s.running}
@@ -102,12 +104,13 @@ class Telemetry:
             bus.emit(ev.RequestEvent(rid=rid, state="preempted"))
         self.running = running
         tok = self.e.tokenizer
+        with_tokens = self.e.cfg.server.events_include_text
         # In a verify step a request's tokens are its accepted drafts (depth 1..n) then the target's
         # own token (depth 0); elsewhere every token is the target's.
-        accepted = dict(zip(b.rids, last.accepted)) if last is not None and b is not None else {}
+        accepted = dict(zip(main.rids, last.accepted)) if last is not None and main is not None else {}
         for o in outputs:
             toks = None
-            if o.logprobs:
+            if with_tokens and o.logprobs:
                 n = accepted.get(o.rid)
                 depths = [*range(1, n + 1), 0] if n is not None else [0] * len(o.logprobs)
                 toks = [ev.TokenEvent(token_id=lp.token_id, text=tok.decode([lp.token_id]) if tok else None,
@@ -152,7 +155,14 @@ class Telemetry:
             gen_tokens_per_s=sum(x[1] for x in self._window) / span,
             prompt_tokens_per_s=sum(x[2] for x in self._window) / span,
             mean_accept_len=stats.accept_len if stats is not None and stats.num_verify else None,
-            steps_total=s.num_steps))
+            steps_total=s.num_steps,
+            prefix_cache_queries_total=s.prefix_queries if self.e.mem.cache is not None else None,
+            prefix_cache_hits_total=s.prefix_hits if self.e.mem.cache is not None else None))
+        it = getattr(self.e.worker, "iter_graph", None)
+        if it is not None:  # the whole-iteration graphs (plain greedy batches), as one more graph runner
+            self.bus.emit(ev.GraphEvent(runner="iteration", enabled=True, mode=self.e.runners[0].graphs.mode.value,  # type: ignore[union-attr]
+                                        buckets=list(it.buckets), replays=dict(it.stats.replays),
+                                        capture_time_s=it.stats.capture_s))
         for r in self.e.runners:
             g = r.graphs
             self.bus.emit(ev.GraphEvent(

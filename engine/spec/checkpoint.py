@@ -1,8 +1,13 @@
 """Draft checkpoints: mleagle's own format (safetensors + draft_config.json), imports, random drafts.
 
-Own format: a folder with `draft_config.json` ({"format": "mleagle-mtp", "version": 1, "num_layers",
-"chain", "arch"}) and `draft.safetensors` holding `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight` and
-`layers.{k}.block.<HF decoder-layer names>`. Import maps the common MTP namings: MiMo-style
+Own format: a folder with `draft_config.json` ({"format": "mleagle-mtp", "version": 2, "num_layers",
+"chain", "arch", "dtype", "files", "draft_vocab_size"}) and the weights in `files`: `draft.safetensors`,
+or `draft-00001-of-0000N.safetensors` shards of at most `max_shard_bytes` each (so a draft fits
+size limits on files, e.g. what one GPU run may hand back), holding `layers.{k}.{enorm,hnorm,eh_proj,
+norm}.weight`, `layers.{k}.block.<HF decoder-layer names>` and, for a reduced draft vocabulary,
+`vocab_ids` (the target ids the draft head covers, see `DraftHead`). Version 1 folders (one
+`draft.safetensors`, no `files`) load unchanged. Weights are stored in the dtype asked for (bfloat16
+for shipped drafts) and cast to the engine's at load. Import maps the common MTP namings: MiMo-style
 `model.mtp.layers.{i}.*` and DeepSeek-style `model.layers.{N+i}.*` (with `shared_head.norm`).
 `random:S[:seed]` builds an S-layer chain draft with random weights for any target (tests, benchmarks).
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,17 +68,48 @@ def layer_state(stack: DraftStack, k: int) -> dict[str, torch.Tensor]:
     }
 
 
-def save_draft(stack: DraftStack, path: str | Path) -> None:
+MAX_SHARD_BYTES = 15 * 2**20  # + the header stays under 16 MiB (what one GPU run may return per file)
+
+
+def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = None,
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write the stack in the own format; returns the weight files. Tensors are packed in order into
+    shards of at most `max_shard_bytes` (a single larger tensor gets a shard of its own); files of an
+    earlier save in the same folder that this one does not list are removed."""
     from safetensors.torch import save_file
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    tensors = {f"layers.{k}.{n}": t.detach().contiguous().clone()
+    tensors = {f"layers.{k}.{n}": t.detach().to("cpu", dtype or t.dtype).contiguous().clone()
                for k in range(len(stack)) for n, t in layer_state(stack, k).items()}
-    save_file(tensors, str(p / "draft.safetensors"))
-    cfg = {"format": FORMAT, "version": 1, "num_layers": len(stack), "chain": stack.chain,
+    if stack.vocab_ids is not None:
+        tensors["vocab_ids"] = stack.vocab_ids.detach().to("cpu", torch.int64).contiguous().clone()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    names = ["draft.safetensors"] if len(shards) == 1 else \
+        [f"draft-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for old in p.glob("draft*.safetensors"):
+        if old.name not in names:
+            old.unlink()
+    for name, shard in zip(names, shards):
+        tmp = p / (name + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": FORMAT})
+        tmp.chmod(0o644)  # safetensors writes 0600; a shipped draft is read by whoever serves it
+        tmp.replace(p / name)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for n, t in tensors.items() if n != "vocab_ids"})
+    cfg = {"format": FORMAT, "version": 2, "num_layers": len(stack), "chain": stack.chain,
+           "dtype": dtypes[0] if len(dtypes) == 1 else dtypes, "files": names,
+           "draft_vocab_size": None if stack.vocab_ids is None else int(stack.vocab_ids.numel()),
            "arch": stack.arch.model_dump(mode="json")}
-    (p / "draft_config.json").write_text(json.dumps(cfg, indent=2))
+    (p / "draft_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return [p / n for n in names]
 
 
 def load_layer(m: MTPLayer, w: dict[str, torch.Tensor]) -> None:
@@ -85,8 +122,16 @@ def load_layer(m: MTPLayer, w: dict[str, torch.Tensor]) -> None:
         m.block.load(w, "block")
 
 
-def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:
-    """Read a draft folder: own format, or an imported MTP checkpoint (config.json + safetensors)."""
+@dataclass
+class DraftCheckpoint:
+    arch: ModelArch
+    chain: bool
+    layers: list[dict[str, torch.Tensor]]  # per layer, names relative to the layer
+    vocab_ids: torch.Tensor | None = None  # reduced draft vocabulary (target ids), or None
+
+
+def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
+    """Read a draft folder: own format (v1 or sharded v2), or an imported MTP checkpoint."""
     from safetensors.torch import load_file
 
     p = Path(path)
@@ -94,16 +139,34 @@ def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, li
         raise FileNotFoundError(f"draft {path!r}: not a folder (expected draft_config.json + draft.safetensors, "
                                 "or random:S[:seed], or none)")
     own = p / "draft_config.json"
-    if own.is_file():
-        cfg = json.loads(own.read_text())
-        if cfg.get("format") != FORMAT:
-            raise ValueError(f"draft {path}: unknown format {cfg.get('format')!r}")
-        arch = ModelArch.model_validate(cfg["arch"])
-        flat = load_file(str(p / "draft.safetensors"))
-        layers = [{n[len(f"layers.{k}."):]: t for n, t in flat.items() if n.startswith(f"layers.{k}.")}
-                  for k in range(int(cfg["num_layers"]))]
-        return arch, bool(cfg.get("chain", True)), layers
-    return import_mtp(p, target)
+    if not own.is_file():
+        arch, chain, layers = import_mtp(p, target)
+        return DraftCheckpoint(arch, chain, layers)
+    cfg = json.loads(own.read_text())
+    if cfg.get("format") != FORMAT:
+        raise ValueError(f"draft {path}: unknown format {cfg.get('format')!r}")
+    arch = ModelArch.model_validate(cfg["arch"])
+    flat: dict[str, torch.Tensor] = {}
+    for name in cfg.get("files", ["draft.safetensors"]):
+        f = p / name
+        if not f.is_file():
+            raise FileNotFoundError(f"draft {path}: weight file {name} is missing (draft_config.json lists it)")
+        flat.update(load_file(str(f)))
+    n = int(cfg["num_layers"])
+    layers = [{k[len(f"layers.{i}."):]: t for k, t in flat.items() if k.startswith(f"layers.{i}.")} for i in range(n)]
+    empty = [i for i, w in enumerate(layers) if not w]
+    if empty:
+        raise ValueError(f"draft {path}: no weights for layer(s) {empty}")
+    vocab = flat.get("vocab_ids")
+    if vocab is not None and cfg.get("draft_vocab_size") not in (None, vocab.numel()):
+        raise ValueError(f"draft {path}: vocab_ids has {vocab.numel()} ids, the config says {cfg['draft_vocab_size']}")
+    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab)
+
+
+def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:
+    """(arch, chain, layers) of a draft folder; `load_draft` also gives its draft vocabulary."""
+    c = load_draft(path, target)
+    return c.arch, c.chain, c.layers
 
 
 def import_mtp(p: Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:

@@ -2,14 +2,25 @@
 
 Layer k at position p combines `hnorm(h_p)` and `enorm(embed(t_{p+k+1}))` through `eh_proj`, runs
 one decoder block against its own KV pool (its block is layer 0 of that pool), and predicts
-t_{p+k+2} through its own final norm and the target's shared LM head. In chain mode h is layer k-1's
-output (the target's hidden for layer 0); in non-chain mode every layer takes the target's hidden.
-Each layer is its own module so that each draft runner holds exactly one layer's weights.
+t_{p+k+2} through its own final norm and the draft head. In chain mode h is layer k-1's output (the
+target's hidden for layer 0); in non-chain mode every layer takes the target's hidden. Each layer
+is its own module so that each draft runner holds exactly one layer's weights.
+
+The draft head is the target's LM head, or its rows for a reduced draft vocabulary (`vocab_ids`,
+the target ids the draft can propose, stored with the checkpoint): the head is most of a draft
+step's cost at a small hidden size (SmolLM2: 49152×576 against ~4.2M weights in the layer), so a
+draft that only proposes frequent tokens is cheaper per step. `compute_logits` then returns [R, Vd]
+logits over the draft vocabulary; `DraftHead.to_target_ids` maps the chosen indices back to target
+ids and `DraftHead.scatter_probs` puts draft probabilities back in the target's vocabulary (zero
+outside the draft vocabulary, which keeps rejection sampling exact: the draft never proposes those).
 
 Under tensor parallelism the block is sharded like the target's layers (same layout: all-reduce, or
 token-scattered with its own reduce-scatters and gathers), or replicated whole on every rank
 (`replicate`, for heads that do not divide): then only the shared embedding and head communicate and
-the draft runs in the all-reduce layout. `eh_proj` is replicated either way.
+the draft runs in the all-reduce layout. `eh_proj` is replicated either way. The full-vocabulary draft
+head is the target's vocab-parallel head (its logit rows gathered like the target's); a reduced head
+is replicated: its rows are collected once from every rank's vocabulary shard, and every rank computes
+the same [R, Vd] logits from the same hidden states with no communication.
 """
 
 from __future__ import annotations
@@ -20,15 +31,96 @@ from torch import nn
 from mleagle.engine.contract.config import ModelArch
 from mleagle.engine.distributed import LOCAL, Comm, TPGroup, comm_for
 from mleagle.engine.executor.forward_batch import ForwardBatch
-from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_shard
+from mleagle.engine.layers.linear import linear
 from mleagle.engine.layers.norm import RMSNorm
 from mleagle.engine.layers.rope import RotaryEmbedding
 from mleagle.engine.models.llama import DecoderLayer
 
 
+class DraftHead(nn.Module):
+    """The draft's LM head: the target's own (`vocab_ids` None) or a gathered copy of its rows.
+
+    One instance is shared by every layer of a stack. With `vocab_ids`, `weight` is [Vd, H], a copy made
+    from the target head at construction (a per-step gather would cost what the subset saves): code that
+    edits the target head afterwards calls `refresh()` (on every rank: under tensor parallelism the copy
+    is collected from every rank's vocabulary shard).
+    """
+
+    vocab_ids: torch.Tensor | None
+    weight: torch.Tensor | None
+
+    def __init__(self, lm_head: ParallelLMHead, vocab_ids: torch.Tensor | None = None):
+        super().__init__()
+        self._target = (lm_head,)  # by reference, not registered: the target owns it
+        self.target_vocab_size = lm_head.vocab_size
+        if vocab_ids is None:
+            self.register_buffer("vocab_ids", None, persistent=False)
+            self.register_buffer("weight", None, persistent=False)
+            return
+        ids = torch.as_tensor(vocab_ids, dtype=torch.int64).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= lm_head.vocab_size:
+            raise ValueError(f"draft vocab_ids must be non-empty ids in [0, {lm_head.vocab_size})")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft vocab_ids must not repeat an id")
+        self.register_buffer("vocab_ids", ids.to(lm_head.weight.device), persistent=False)
+        self.register_buffer("weight", self._rows(), persistent=False)
+
+    @torch.no_grad()
+    def _rows(self) -> torch.Tensor:
+        """The target head's rows `vocab_ids` [Vd, H]. Vocab-parallel: each rank holds the rows of its
+        shard and zeros elsewhere, and a sum over ranks puts every row together on every rank (exact:
+        each row has one non-zero contribution)."""
+        head = self._target[0]
+        w, g, ids = head.weight.detach(), head.tp, self.vocab_ids
+        assert ids is not None
+        if g.size == 1:
+            return w[ids].clone()
+        start, per = vocab_shard(head.vocab_size, g)
+        mine = (ids >= start) & (ids < start + per)
+        out = w[torch.where(mine, ids - start, 0)] * mine.unsqueeze(-1).to(w.dtype)
+        return g.all_reduce(out.contiguous())
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-gather the rows after the target head's weights changed (loading, tests that edit weights)."""
+        if self.vocab_ids is not None:
+            self.weight = self._rows()
+
+    @property
+    def size(self) -> int:
+        """Vd: the number of logit columns `forward` produces."""
+        return self.target_vocab_size if self.vocab_ids is None else int(self.vocab_ids.numel())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self._target[0](x)
+        return linear(x, self.weight)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, norm: nn.Module, comm: Comm) -> torch.Tensor:
+        """The final norm and the head over the logit rows of `hidden` [T, H] (every rank holds every
+        row): the target head's vocab-parallel path, or the replicated reduced head computed on every
+        rank alike (no gather: the rows and the head are the same everywhere)."""
+        if self.weight is None:
+            return self._target[0].logits(hidden, rows, norm, comm)
+        return linear(norm(hidden[rows]), self.weight)
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (any shape) → target token ids."""
+        return idx if self.vocab_ids is None else self.vocab_ids[idx]
+
+    def scatter_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] draft probabilities → [..., V] over the target vocabulary (0 outside the draft's)."""
+        if self.vocab_ids is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.target_vocab_size)
+        return out.index_copy_(-1, self.vocab_ids, q)
+
+
 class MTPLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, embed: VocabParallelEmbedding, lm_head: ParallelLMHead,
-                 rope: RotaryEmbedding, layout: str = "all_reduce", replicate: bool = False):
+                 rope: RotaryEmbedding, layout: str = "all_reduce", replicate: bool = False,
+                 head: DraftHead | None = None):
         super().__init__()
         h = arch.hidden_size
         self.tp: TPGroup = embed.tp  # the group the shared embedding and head communicate over
@@ -44,6 +136,8 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         # Shared with the target, held by reference (not registered), so weights exist once.
         self._shared = (embed, lm_head)
+        # The draft head, shared by every layer of the stack (registered: it moves with .to()).
+        self.head = head if head is not None else DraftHead(lm_head)
 
     num_kv_layers = 1
 
@@ -69,20 +163,33 @@ class MTPLayer(nn.Module):
         return c.gather_tokens(s) if c.scattered else s
 
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self._shared[1].logits(hidden, batch.logit_rows, self.norm, self.comm(batch))
+        """[R, Vd] logits of the batch's logit rows (the runner's path; `compute_logits` for given rows)."""
+        return self.head.logits(hidden, batch.logit_rows, self.norm, self.comm(batch))
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._shared[1](self.norm(h))
+        """[R, Vd] logits over the draft vocabulary (Vd = V without a reduced vocabulary)."""
+        return self.head(self.norm(h))
 
 
 class DraftStack(nn.Module):
     def __init__(self, arch: ModelArch, num_layers: int, chain: bool, dtype: torch.dtype,
                  embed: VocabParallelEmbedding, lm_head: ParallelLMHead, rope: RotaryEmbedding,
-                 layout: str = "all_reduce", replicate: bool = False):
+                 layout: str = "all_reduce", replicate: bool = False, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         self.arch, self.chain = arch, chain
-        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate)
+        self.head = DraftHead(lm_head, vocab_ids)
+        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head)
                                     for _ in range(num_layers))
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return self.head.vocab_ids
+
+    def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
+        """Give every layer a new shared head over `vocab_ids` (None: the target's whole vocabulary)."""
+        self.head = DraftHead(self.head._target[0], vocab_ids)
+        for m in self.layers:
+            m.head = self.head
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -19,8 +19,11 @@ W = S+1 rows each, with no read back to the host until its single result copy:
    requests, their distributions) are written into the slot state for the next verify.
 
 Prefill runs the target (possibly in chunks, stashing its hidden states), and when a request's
-prefill completes, each draft runner k runs over the whole sequence, filling its own pool and
-yielding the first drafts.
+prefill completes, each draft runner k runs over the positions this prefill computed, filling its own
+pool: the whole sequence, or after a prefix-cache hit only the positions past the cached prefix, whose
+KV every draft pool already holds (as its owner left it; see README, "Prefix caching"). A hit leaves
+the last S cached positions to recompute (`prefix_margin`): there the owner's draft KV read tokens
+past the prefix. The draft layers' last outputs are the first drafts.
 
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
@@ -40,9 +43,9 @@ import torch
 
 from mleagle.engine.contract.outputs import SpecStats
 from mleagle.engine.core.request import Req
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, build_batch
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, RowMeta, build_batch
 from mleagle.engine.executor.runner import ModelRunner
-from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker, Timer, pack
+from mleagle.engine.executor.worker import FwdInfo, HostView, Pending, StepResult, TargetWorker, Timer, pack
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
@@ -51,6 +54,7 @@ from mleagle.engine.sampling.sampler import draw, logprobs
 @dataclass
 class DraftState:
     hidden_stash: list[torch.Tensor] = field(default_factory=list)  # target hidden per prefill chunk
+    start: int = 0  # first position the stash covers (a prefix-cache hit's length; 0 without one)
 
 
 @dataclass
@@ -82,14 +86,31 @@ class SpecWorker(TargetWorker):
         self.boundary_kv_stale_positions = 0
         self.step_batches: list[ForwardBatch] = []  # the last iteration's per-step draft batches (tests)
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
-        # Benchmark-only: force every iteration to accept this many drafts (accept length n+1), so the
-        # speed of speculation can be measured before a draft that earns it exists. Output is then not
-        # the target's; every figure made with it is labelled "simulated".
-        self.simulate_accepted: int | None = None
+        self._simulate = torch.full((), -1, dtype=torch.int64, device=self.device)
 
     @property
     def runners(self) -> list[ModelRunner]:
         return [self.target, *self.drafts]
+
+    @property
+    def simulate_accepted(self) -> int | None:
+        """Benchmark-only: force every iteration to accept this many drafts (accept length n+1), so the
+        speed of speculation can be measured before a draft that earns it exists. Output is then not
+        the target's; every figure made with it is labelled "simulated". A device scalar, so captured
+        iterations read the current value."""
+        v = int(self._simulate)
+        return None if v < 0 else v
+
+    @simulate_accepted.setter
+    def simulate_accepted(self, n: int | None) -> None:
+        self._simulate.fill_(-1 if n is None else n)
+
+    @property
+    def prefix_margin(self) -> int:
+        """Draft layer k's KV at position p was computed from token t_{p+k+1}, so the last S positions
+        of a cached prefix read its owner's continuation, not a new request's: a hit recomputes them
+        (S target tokens), and every runner's KV it reuses was computed from the prefix's own tokens."""
+        return self.steps
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
@@ -99,8 +120,8 @@ class SpecWorker(TargetWorker):
         self.last_batch = batch
         off = 0
         for r, c in zip(reqs, chunks):
-            if r.draft_state is None:
-                r.draft_state = DraftState()
+            if r.draft_state is None:  # the first chunk: it starts past any cached prefix
+                r.draft_state = DraftState(start=r.kv_len)
             r.draft_state.hidden_stash.append(out.hidden[off : off + c])
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
@@ -115,11 +136,13 @@ class SpecWorker(TargetWorker):
         return results
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
-        """Each draft runner over the whole sequence of each request: layer k at position p reads
-        t_{p+k+1}, so its ids are the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
-        lens = [r.kv_len for r in reqs]
+        """Each draft runner over positions [start, kv_len) of each request (start = the cached prefix
+        the draft pools already hold, else 0): layer k at position p reads t_{p+k+1}, so its ids are
+        the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
+        starts = [r.draft_state.start for r in reqs]
+        lens = [r.kv_len - st for r, st in zip(reqs, starts)]
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                           prefix_lens=[0] * len(reqs), extend_lens=lens, req_to_token=self.r2t, device=self.device,
+                           prefix_lens=starts, extend_lens=lens, req_to_token=self.r2t, device=self.device,
                            rids=tuple(r.rid for r in reqs))
         target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
         if self.boundary_kv == "stale":
@@ -128,103 +151,128 @@ class SpecWorker(TargetWorker):
         else:  # "recompute" keeps every committed position's target hidden for the next full pass
             for r, n in zip(reqs, lens):
                 r.draft_state.hidden_stash = [torch.cat(r.draft_state.hidden_stash)[:n]]
-        # Token windows: the committed sequence (and the bonus); position p of layer k reads t_{p+k+1},
-        # the tail filled by the drafts as they are made, on the device.
-        seq = torch.tensor([t for r, b in zip(reqs, bonus) for t in [*r.fill_ids[: r.kv_len], b]],
-                           dtype=torch.int64).to(self.device)
-        starts = torch.tensor([0, *torch.tensor(lens).add(1).cumsum(0).tolist()[:-1]], dtype=torch.int64).to(self.device)
-        ends = starts + torch.tensor(lens).to(self.device)  # index of the bonus in `seq`, per request
-        rel = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        base = torch.repeat_interleave(starts, torch.tensor(lens).to(self.device)) + rel  # position p's index
-        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(self.device)
+        # Token windows on the device: request i's positions start_i..kv_len_i-1 and its bonus form `seq`
+        # (lens_i + 1 entries); layer k at position p reads t_{p+k+1}, from `seq` while that is at most
+        # the bonus, else draft number (p+k+1 - kv_len) made by an earlier layer (`tail`).
+        dev, n = self.device, len(reqs)
+        seq = torch.tensor([t for r, st, b in zip(reqs, starts, bonus) for t in [*r.fill_ids[st : r.kv_len], b]],
+                           dtype=torch.int64).to(dev)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64), (lens_t + 1).cumsum(0)[:-1]])  # each request's seq start
+        row_req = torch.repeat_interleave(torch.arange(n), lens_t).to(dev)
+        rel = torch.cat([torch.arange(x) for x in lens]).to(dev)  # p - start_i, per row
+        offs, lens_d = offs.to(dev), lens_t.to(dev)
+        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev)
         flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
-        tail = torch.zeros(len(reqs), self.steps + 1, dtype=torch.int64, device=self.device)
+        tail = torch.zeros(n, self.steps + 1, dtype=torch.int64, device=dev)
         h = target_hidden
         self.step_batches = []
-        last_rows = ends - torch.arange(len(reqs), device=self.device) - 1  # each request's last row in the view
         for k, runner in enumerate(self.drafts):
-            # t_{p+k+1}: inside the sequence for p+k+1 <= kv_len (the bonus at kv_len), else drafts made so far.
-            idx = base + k + 1
-            over = idx - torch.repeat_interleave(ends, torch.tensor(lens).to(self.device))  # > 0: past the bonus
-            ids = torch.where(over <= 0, seq[idx.clamp(max=seq.shape[0] - 1)],
-                              tail[torch.repeat_interleave(torch.arange(len(reqs), device=self.device),
-                                                           torch.tensor(lens).to(self.device)), over.clamp(min=0)])
+            j = rel + k + 1  # index of t_{p+k+1} in the request's window
+            over = j - lens_d[row_req]  # > 0: past the bonus, a draft
+            ids = torch.where(over <= 0, seq[(offs[row_req] + j.clamp(max=lens_d[row_req]))], tail[row_req, over.clamp(min=0)])
             b = dataclasses.replace(view, input_ids=ids, hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
-            o = runner.forward(b)
-            logits = o.logits  # EXTEND: one row per request, its last position
-            d = self._draft_tokens(rpi, logits, k, flags)
-            tail[:, k + 1] = d
+            o = runner.forward(b)  # EXTEND: one logit row per request, at its last position
+            tail[:, k + 1] = self._draft_tokens(rpi, o.logits, k, flags)
             h = o.hidden if self.chain else target_hidden
-        del last_rows
 
     def _draft_tokens(self, rpi: torch.Tensor, logits: torch.Tensor, k: int, flags: RowFlags,
-                      rows: SamplingRows | None = None) -> torch.Tensor:
+                      rows: SamplingRows | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
         """Draft k+1 per request: argmax for greedy requests, a draw from the processed draft
-        distribution q otherwise (q kept in the slot state for rejection sampling). Written to the slot
-        state's drafts; returned for the next step's id window."""
+        distribution q otherwise (q kept in the slot state for rejection sampling). The logits are over
+        the draft's vocabulary (its own, reduced one when it has one): `head` maps indices to target ids
+        and q back to the target's vocabulary. Written to the slot state's drafts; returned for the next
+        step's id window."""
         st = self.state
+        head = self.drafts[k].model.head
         if flags.all_greedy:
-            d = logits.argmax(-1)
+            d = head.to_target_ids(logits.argmax(-1))
         else:
             if rows is None:
                 rows = st.rows(rpi, 1, flags)
             rk = dataclasses.replace(rows, pos=rows.pos + k)
             q = probs_from_logits(logits.float(), rk)
-            d = torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT))
+            d = head.to_target_ids(torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT)))
             assert st.draft_q is not None
-            st.draft_q[rpi, k] = q
-        st.drafts[rpi, k] = d
+            st.draft_q[rpi, k] = head.scatter_probs(q)
+        st.drafts[rpi, k] = d if live is None else torch.where(live, d, st.drafts[rpi, k])
         return d
 
     # --- decode iteration ----------------------------------------------------------------------
     def launch(self, reqs: list[Req]) -> Pending:
-        st = self.state
         s, w, bs = self.steps, self.steps + 1, len(reqs)
         timer = Timer(self.device)
         timer.mark()
         rpi = self.rpi_of(reqs)
+        flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        g = self.iter_graph
+        hidden = None
+        if (g is not None and flags.plain and flags.logprobs < 0 and self.boundary_kv == "stale"
+                and g.bucket(bs) is not None):
+            packed, pbs = g.run(rpi, bs)
+            rids = tuple(r.rid for r in reqs)
+            self.forwards = [FwdInfo(r.name, "TARGET_VERIFY" if r is self.target else "DRAFT_EXTEND", bs, rids, [w] * bs,
+                                     bs * w, pbs, None) for r in self.runners]
+            timer.mark()  # one span: the whole iteration (its verify/draft split is not timed inside a graph)
+        else:
+            packed, _, hidden = self._iteration(rpi, None, flags, self.host_view(reqs), eager=False, timer=timer)
+        p = self._send(reqs, w, flags, packed, timer)
+        if self.boundary_kv == "recompute":
+            assert hidden is not None
+            p = self._recompute(p, hidden)
+        del s
+        return p
+
+    def _iteration(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView, eager: bool,
+                   timer: Timer | None = None) -> tuple[torch.Tensor, list[RowMeta], torch.Tensor]:
+        """Verify, accept, commit and draft-extend on the device; returns (packed result, each forward's
+        row metadata, the target's hidden states). `eager` runs every forward eagerly (inside a
+        whole-iteration capture); `live` masks padded rows out of every state write."""
+        st = self.state
+        s, w, bs = self.steps, self.steps + 1, int(rpi.shape[0])
         drafts = st.drafts[rpi]  # [bs, S]
         ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
-        view = self.view(ForwardMode.TARGET_VERIFY, reqs, rpi, ids, w, self._arange(bs * w))
+        view = self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host)
         vb = self.target.bind(view)
-        out = self.target.forward(vb)
+        out = self.target.forward_eager(vb, observe=False) if eager else self.target.forward(vb)
         self.last_batch = vb
-        self.forwards = [(self.target.name, vb, out.graph_bs, out.eager_reason)]
-        flags = st.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
-        rows = st.rows(rpi, w, flags)
-        x = penalize(out.logits, rows, *st.context(rpi, flags, drafts))
+        self.forwards = [FwdInfo.of(self.target.name, vb, out.graph_bs, out.eager_reason)]
+        metas = [self.target.row_meta(vb)]
+        if flags.plain:
+            x, rows = out.logits, None
+        else:
+            rows = st.rows(rpi, w, flags)
+            x = penalize(out.logits, rows, *st.context(rpi, flags, drafts))
         pred = x.argmax(-1).view(bs, w)
         ar = st._ar[:w].view(1, w)
         if flags.all_greedy:
             n = (drafts == pred[:, :s]).to(torch.int64).cumprod(1).sum(1)
-            final = pred.gather(1, n.view(-1, 1)).view(-1)
-            emitted = pred  # accepted drafts equal the target's argmax at their rows
         else:
+            assert rows is not None
             n, final = self._reject(x, rows, drafts, pred, rpi, bs, w)
-            emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
-            emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
-        if self.simulate_accepted is not None:
-            n = torch.full_like(n, min(self.simulate_accepted, s))
-            final = pred.gather(1, n.view(-1, 1)).view(-1)
-            emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
-            emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
+        # Benchmark-only forced acceptance (a device scalar, so whole-iteration graphs honour it too).
+        sim = self._simulate >= 0
+        n = torch.where(sim, self._simulate.clamp(max=s), n)
+        at_n = pred.gather(1, n.view(-1, 1)).view(-1)
+        final = at_n if flags.all_greedy else torch.where(sim, at_n, final)
+        # Accepted drafts (equal to the target's argmax where greedy), the final token at row n, and the
+        # target's guesses after it.
+        emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
+        emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
         n_emit = n + 1
         lp = logprobs(out.logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
-        st.commit(rpi, emitted, n_emit, flags)
-        st.iters[rpi] += 1
-        timer.mark()
+        st.commit(rpi, emitted, n_emit, flags, live=live)
+        st.iters[rpi] += 1 if live is None else live.to(torch.int64)
+        if timer is not None:
+            timer.mark()
         # Draft-extend over the same rows. Rows past a request's last accepted row carry the target's
         # guesses; their KV lands at positions >= the new kv_len, which the next iteration rewrites.
-        sel = torch.arange(bs, device=self.device) * w + n
         if self.boundary_kv == "stale":
+            sel = torch.arange(bs, device=self.device) * w + n
             dview = dataclasses.replace(view, mode=ForwardMode.DRAFT_EXTEND, logit_rows=sel, pruned=True)
-            self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer)
-        packed = pack(emitted, n_emit, lp, w)
-        p = self._send(reqs, vb, w, flags, packed, timer)
-        if self.boundary_kv == "recompute":
-            p = self._recompute(p, out.hidden)
-        return p
+            metas += self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer, live, eager)
+        return pack(emitted, n_emit, lp, w), metas, out.hidden
 
     def _reject(self, x: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, pred: torch.Tensor, rpi: torch.Tensor,
                 bs: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,21 +310,26 @@ class SpecWorker(TargetWorker):
         return rng.uniform(rng.keys(cut(rows.seed), cut(rows.pos), rng.STREAM_ACCEPT, cut(rows.it)), 1).view(bs, s)
 
     def _draft_extend(self, rpi: torch.Tensor, view: ForwardBatch, target_hidden: torch.Tensor, emitted: torch.Tensor,
-                      n: torch.Tensor, flags: RowFlags, timer: Timer) -> None:
+                      n: torch.Tensor, flags: RowFlags, timer: Timer | None, live: torch.Tensor | None = None,
+                      eager: bool = False) -> list[RowMeta]:
         h = target_hidden
         ids = emitted  # layer 0 at row j reads t_{kv_len+j+1}: the emitted tokens, the target's guesses after
         rows = None if flags.all_greedy else self.state.rows(rpi, 1, flags)
         self.step_batches = []
+        metas = []
         for k, runner in enumerate(self.drafts):
             b = dataclasses.replace(view, input_ids=ids.reshape(-1), hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
-            o = runner.forward(b)
-            self.forwards.append((runner.name, b, o.graph_bs, o.eager_reason))
-            d = self._draft_tokens(rpi, o.logits, k, flags, rows)
-            timer.mark()
+            o = runner.forward_eager(b, observe=False) if eager else runner.forward(b)
+            self.forwards.append(FwdInfo.of(runner.name, b, o.graph_bs, o.eager_reason))
+            metas.append(runner.row_meta(b))
+            d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
+            if timer is not None:
+                timer.mark()
             # Rotate: every window shifts left by one, and the new draft goes at the last accepted row.
             ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))
             h = o.hidden if self.chain else target_hidden
+        return metas
 
     def _recompute(self, p: Pending, target_hidden: torch.Tensor) -> Pending:
         """Reference boundary-KV policy: read the accepted counts, then re-run every draft layer over the
@@ -334,6 +387,11 @@ class SpecWorker(TargetWorker):
             if self.boundary_kv == "stale":
                 self.boundary_kv_stale_positions += sum(min(k, n + 1) for k in range(s))
 
+    def kv_valid_len(self, req: Req) -> int:
+        """Draft pools are filled when a request's prefill completes: until then only its cached prefix
+        is valid in every runner. After that every committed position is (stale policy: as written)."""
+        return req.cached_len if req.prefilling else req.kv_len
+
     def release(self, req: Req) -> None:
         super().release(req)
 
@@ -343,7 +401,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
     own one-layer KV pool, request-to-token map and backend, registered with the memory manager."""
     from mleagle.engine.contract.config import MAX_SPEC_STEPS
     from mleagle.engine.core.engine import EngineInputError, build_runner
-    from mleagle.engine.spec.checkpoint import load_layer, parse_spec, random_layer_weights, read_draft
+    from mleagle.engine.spec.checkpoint import load_draft, load_layer, parse_spec, random_layer_weights
     from mleagle.engine.spec.draft_model import DraftStack
 
     e = engine  # an Engine; typed loosely to keep the import graph one-way
@@ -353,12 +411,14 @@ def build_spec_worker(engine: object) -> SpecWorker:
     except ValueError as err:
         raise EngineInputError(str(err)) from err
     arch = e.arch  # type: ignore[attr-defined]
+    vocab_ids = None
     if kind == "random":
         layers = [random_layer_weights(arch, seed, k) for k in range(s or 0)]
         darch = arch
     else:
         try:
-            darch, chain, layers = read_draft(ecfg.draft, arch)
+            ck = load_draft(ecfg.draft, arch)
+            darch, chain, layers, vocab_ids = ck.arch, ck.chain, ck.layers, ck.vocab_ids
         except (FileNotFoundError, ValueError) as err:
             raise EngineInputError(str(err)) from err
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:
@@ -377,8 +437,11 @@ def build_spec_worker(engine: object) -> SpecWorker:
         if errs:
             raise EngineInputError(f"draft {ecfg.draft} cannot be sharded over tp_size={tp_size}: {'; '.join(errs)}; "
                                    'set draft_tp = "replicate" (--draft-tp replicate) to run it whole on every rank')
-    stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
-                       layout=model.layout, replicate=replicate)
+    try:
+        stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
+                           layout=model.layout, replicate=replicate, vocab_ids=vocab_ids)
+    except ValueError as err:
+        raise EngineInputError(f"draft {ecfg.draft}: {err}") from err
     for m, w in zip(stack.layers, layers):
         load_layer(m, {k: v.to(e.dtype) for k, v in w.items()})  # type: ignore[attr-defined]
     stack.to(e.device).eval()  # type: ignore[attr-defined]

@@ -1,6 +1,7 @@
 """Requests: one row per request (state, prompt and output tokens, accept length, finish reason), and a
 drill-down screen (enter on a row) listing every emitted token with its text, logprob, probability,
-the speculative depth that produced it and the top alternatives.
+the speculative depth that produced it and the top alternatives. A daemon publishes tokens only when
+its operator opts in (`--events-include-text`); otherwise the drill-down says so.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class RequestScreen(ModalScreen[None]):
                                       f"   prompt {r.prompt_tokens}  output {r.output_tokens}"
                                       f"  accept len {fmt_f(r.accept_len)}  finish {r.finish_reason or '-'}"
                                       "   (escape to go back)"))
+            if not r.tokens and r.output_tokens:
+                text = ("(this server publishes token counts only; its operator can start it with "
+                        "--events-include-text to show tokens and logprobs here)")
             yield Label(Text(text[-300:] if len(text) > 300 else text, style="italic"), id="req-text")
             t = DataTable(id="tokens-table", zebra_stripes=True, cursor_type="row")
             t.add_columns("#", "token", "id", "logprob", "prob", "depth", "top alternatives")
