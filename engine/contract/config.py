@@ -120,6 +120,9 @@ class EngineConfig(BaseModel):
     # (default: max_running_requests); `--disable-cuda-graph` runs every forward eagerly.
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = Field(None, ge=1, le=1024)
+    # One graph per plain greedy decode step / speculative iteration (verify, accept, every draft step)
+    # on top of the per-forward graphs; off leaves every forward to its own runner's graph.
+    iteration_graph: bool = True
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot

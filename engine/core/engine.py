@@ -243,6 +243,8 @@ class Engine:
         from mleagle.engine.sampling.processor import RowFlags
 
         w = self.worker
+        if not self.cfg.engine.iteration_graph:
+            return "iteration: off (iteration_graph = false)"
         if any(r.graphs is None or r.binding.backend.needs_host_lens for r in self.runners):
             return "iteration: per-forward graphs only"
         if getattr(w, "boundary_kv", "stale") != "stale":

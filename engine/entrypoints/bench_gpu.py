@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--configs", default="graphs,eager,spec,spec-eager,hf,hf-static",
-                   help="graphs, eager, spec, spec-eager, hf, hf-static, backend:NAME (target-only, graphs)")
+                   help="graphs, eager, per-forward, spec, spec-eager, spec-per-forward, hf, hf-static, "
+                        "backend:NAME (target-only, graphs)")
     p.add_argument("--draft", default="random:3", help="the draft of the spec configurations")
     p.add_argument("--simulate-accept-len", type=int, default=None,
                    help="force accept length L (L-1 drafts accepted per iteration): 'simulated' figures")
@@ -219,6 +220,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     plen = max(len(p) for p in prompts)
     ref_tokens: dict[int, list[list[int]]] = {}
 
+    def save() -> None:  # after every row: a run cut short still leaves what it measured
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
     def log(row: dict[str, Any]) -> None:
         tag = " [simulated]" if row.get("simulated") else ""
         extra = f" accept_len {row['spec']['accept_len']}" if "spec" in row else ""
@@ -231,6 +236,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         elif row["bs"] in ref_tokens and not row.get("simulated"):
             row["equal_to_target_graphs"] = toks == ref_tokens[row["bs"]]
         res["rows"].append(row)
+        save()
         log(row)
 
     def sweep(engine: Any, label: str, simulated: bool = False) -> None:
@@ -246,6 +252,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         e = engine_for(a.model, max(bss), a.max_new_tokens, plen, cuda_graph=False)
         sweep(e, "target eager")
         del e
+    if "per-forward" in configs:  # graphs per forward only, no whole-iteration graph
+        e = engine_for(a.model, max(bss), a.max_new_tokens, plen, iteration_graph=False)
+        sweep(e, "target graphs per-forward")
+        del e
     for c in configs:
         if c.startswith("backend:"):
             name = c.split(":", 1)[1]
@@ -257,14 +267,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 continue
             sweep(e, f"target graphs {name}")
             del e
-    for c, over in (("spec", {}), ("spec-eager", {"cuda_graph": False})):
+    for c, over in (("spec", {}), ("spec-eager", {"cuda_graph": False}), ("spec-per-forward", {"iteration_graph": False})):
         if c not in configs:
             continue
         e = engine_for(a.model, max(bss), a.max_new_tokens, plen, draft=a.draft, **over)
         sim = a.simulate_accept_len is not None
         if sim:
             e.worker.simulate_accepted = a.simulate_accept_len - 1
-        label = f"{'spec' if c == 'spec' else 'spec eager'} {a.draft}" + (f" L={a.simulate_accept_len}" if sim else "")
+        kind = {"spec": "spec", "spec-eager": "spec eager", "spec-per-forward": "spec per-forward"}[c]
+        label = f"{kind} {a.draft}" + (f" L={a.simulate_accept_len}" if sim else "")
         sweep(e, label, simulated=sim)
         if a.profile and c == "spec" and torch.cuda.is_available():
             res["profile_bs1_spec"] = profile_bs1(e, prompts[0], min(a.max_new_tokens, 128))
@@ -288,6 +299,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
     if a.big:
         res["big"] = run_big(a)
+        save()
     res["finished"] = time.time()
     return res
 
