@@ -8,8 +8,9 @@ through the engine's control channel (`engine/service/ranks.py`), exactly as in 
 
 Checks (one result key each): the logits of every forward of a speculative run (prefill, verify and
 every draft-extend step, target and draft runners) equal TP=1's in both layouts, with a replicated KV
-head and with replicated draft layers; greedy speculative output equals TP=1 target-only output, eagerly
-and through the emulated graph runners, and every pool of every rank is free afterwards; the seed
+head, with replicated draft layers and with a reduced draft vocabulary; greedy speculative output equals
+TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), and every
+pool of every rank is free afterwards; the seed
 regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
 (padded, split over the ranks), its gathered logits equal eager, and with `[bs]` fault-injected at
 capture the gathered logits at the selected rows come out wrong (injected at replay only, the parity
@@ -99,17 +100,24 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
     sps = [greedy(n) for n in LENS]
     # One request asks for prompt logprobs: an EXTEND whose logit rows are every prompt token.
     sps[2] = SamplingParams(temperature=0.0, max_new_tokens=LENS[2], prompt_logprobs=2)
+    # A reduced draft vocabulary with ids in both vocab shards (its head rows collected from both ranks).
+    sub = torch.arange(1, 256, 3)
     for layout in LAYOUTS:
         # vocab 255: shards of 128 rows, the last one with a padding row the head must cut off.
-        for draft, kv, draft_tp, vocab in (("random:2", 2, "shard", 256), ("random:2", 1, "shard", 255),
-                                           ("random:2", 2, "replicate", 256), ("none", 1, "shard", 256)):
-            key = f"{layout}/{draft}/kv{kv}/v{vocab}/{draft_tp}"
+        for draft, kv, draft_tp, vocab, dv in (("random:2", 2, "shard", 256, None), ("random:2", 1, "shard", 255, None),
+                                               ("random:2", 2, "replicate", 256, None), ("none", 1, "shard", 256, None),
+                                               ("random:2", 2, "shard", 256, sub)):
+            key = f"{layout}/{draft}/kv{kv}/v{vocab}{'' if dv is None else f'/dv{dv.numel()}'}/{draft_tp}"
             e = engine(draft, kv=kv, vocab=vocab, tp_size=2, tp_layout=layout, draft_tp=draft_tp)
+            if dv is not None:
+                e.draft_stack.set_vocab(dv)
             got = record(e)
             toks = drive(e, rank, PROMPTS, sps)
             res.setdefault("digests", {})[key] = [digest(x) for _, _, x in got]
             if rank == 0:
                 ref = engine(draft, kv=kv, vocab=vocab)
+                if dv is not None:
+                    ref.draft_stack.set_vocab(dv)
                 want = record(ref)
                 ref_toks = [c.token_ids for c in ref.generate(PROMPTS, sps)]
                 same_plan = [(n, m) for n, m, _ in got] == [(n, m) for n, m, _ in want]
@@ -118,6 +126,7 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
                     "forwards": len(got), "same_plan": same_plan, "max_rel_err": max(errs),
                     "modes": sorted({f"{n}:{m}" for n, m, _ in got}), "tokens_equal": toks == ref_toks,
                     "vocab_out": int(got[0][2].shape[1]), "head_rows_per_rank": int(e.model.lm_head.weight.shape[0]),
+                    "draft_vocab_out": sorted({int(x.shape[1]) for n, _, x in got if n.startswith("draft")}),
                     "kv_heads_per_rank": int(e.target.binding.kv_pool.k[0].shape[1]),
                     "draft_kv_heads_per_rank": int(e.runners[-1].binding.kv_pool.k[0].shape[1]),
                     "pool_slots": [r.binding.kv_pool.num_slots for r in e.runners],
@@ -139,8 +148,12 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
     # the same on every rank), still exact.
     tight = {"max_total_tokens": 48, "chunked_prefill_size": 4}
     for layout in LAYOUTS:
-        for draft, emulate, extra in (("random:3", False, {}), ("random:2:5:nochain", True, {}), ("none", True, {}),
-                                      ("random:2", False, tight)):
+        # Emulated graphs: plain greedy steps replay whole-iteration graphs, or (iteration_graph off) each
+        # forward's own graph.
+        for draft, emulate, tag, extra in (("random:3", False, "", {}), ("random:2:5:nochain", True, "", {}),
+                                           ("none", True, "", {}), ("random:2", False, "/tight", tight),
+                                           ("random:2", True, "/per_forward", {"iteration_graph": False}),
+                                           ("none", True, "/per_forward", {"iteration_graph": False})):
             e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate, **extra)
             if rank == 0 and not emulate and not extra:
                 e.events = EventBus()
@@ -154,7 +167,7 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
                     for x in evs if x.type == "logprob_meta"]
             replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
             it = e.worker.iter_graph
-            out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}{'/tight' if extra else ''}"] = {
+            out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}{tag}"] = {
                 "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays,
                 "iter_replays": sum(it.stats.replays.values()) if it is not None else 0,
                 "preemptions": e.scheduler.num_preemptions}
