@@ -355,11 +355,13 @@ async def test_daemon_tp2_answers_as_tp1_and_survives_a_killed_rank(tiny_tok: Pa
         srv.kill()
 
 
-def test_events_carry_per_rank_counts(ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("run", ["events", "events_iter"])
+def test_events_carry_per_rank_counts(ranks: list[dict[str, Any]], run: str) -> None:
     """Rank 0's logprob-metadata events: every forward's per-rank token and logprob counts by the layout's
-    rule (all rows on every rank; or padded equal shares), all agreeing with the logit rows."""
-    assert set(ranks[0]["events"]) == {"all_reduce", "scattered"}
-    for layout, evs in ranks[0]["events"].items():
+    rule (all rows on every rank; or padded equal shares), all agreeing with the logit rows; eager, and
+    with decode steps replayed as whole-iteration graphs (whose forwards no runner observer sees)."""
+    assert set(ranks[0][run]) == {"all_reduce", "scattered"}
+    for layout, evs in ranks[0][run].items():
         assert {e[1] for e in evs} >= {"EXTEND", "TARGET_VERIFY", "DRAFT_EXTEND"}
         for runner, mode, bs, width, rows, gnt, gntl, tp, lay, agree in evs:
             assert tp == 2 and lay == layout and agree, (runner, mode)

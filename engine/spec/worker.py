@@ -212,8 +212,9 @@ class SpecWorker(TargetWorker):
                 and g.bucket(bs) is not None):
             packed, pbs = g.run(rpi, bs)
             rids = tuple(r.rid for r in reqs)
-            self.forwards = [FwdInfo(r.name, "TARGET_VERIFY" if r is self.target else "DRAFT_EXTEND", bs, rids, [w] * bs,
-                                     bs * w, pbs, None) for r in self.runners]
+            modes = [(r, ForwardMode.TARGET_VERIFY if r is self.target else ForwardMode.DRAFT_EXTEND) for r in self.runners]
+            self.forwards = [FwdInfo(r.name, m.value, bs, rids, [w] * bs, bs * w, pbs, None,
+                                     r.rule_meta(m, bs, w, pruned=m is ForwardMode.DRAFT_EXTEND)) for r, m in modes]
             timer.mark()  # one span: the whole iteration (its verify/draft split is not timed inside a graph)
         else:
             packed, _, hidden = self._iteration(rpi, None, flags, self.host_view(reqs), eager=False, timer=timer)
