@@ -6,7 +6,7 @@ prompt logprobs, decode, verify, each draft-extend step) equal TP=1's to 1e-5 re
 also with one KV head replicated over the ranks, with replicated draft layers and with a reduced draft
 vocabulary, and the ranks hold bit-identical logits (what their identical sampling rests on); greedy
 speculative output equals TP=1 target-only output eagerly and through (emulated) whole-iteration and
-per-forward graphs, with every pool of every rank free afterwards; the seeds' regression; and start-up validation that names what does not divide.
+per-forward graphs, also with overlap scheduling, with every pool of every rank free afterwards; the seeds' regression; and start-up validation that names what does not divide.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:
 
 def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["exact"], ranks[1]["exact"]
-    assert len(r0) == 12
+    assert len(r0) == 16
     for key, r in r0.items():
         assert r["equal"], key
         assert r["free"] and r1[key]["free"], key
@@ -106,7 +106,7 @@ def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[di
             assert r["iter_replays"] > 0, key
         if key.endswith("per_forward"):  # iteration_graph off: every decode forward replays its own graph
             assert r["replays"] > 0 and r["iter_replays"] == 0, key
-        if key.endswith("tight"):
+        if "tight" in key:
             assert r["preemptions"] > 0, key
 
 

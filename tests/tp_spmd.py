@@ -9,8 +9,8 @@ through the engine's control channel (`engine/service/ranks.py`), exactly as in 
 Checks (one result key each): the logits of every forward of a speculative run (prefill, verify and
 every draft-extend step, target and draft runners) equal TP=1's in both layouts, with a replicated KV
 head, with replicated draft layers and with a reduced draft vocabulary; greedy speculative output equals
-TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), and every
-pool of every rank is free afterwards; the seed
+TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), with
+overlap scheduling forced on too, and every pool of every rank is free afterwards; the seed
 regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
 (padded, split over the ranks), its gathered logits equal eager, and with `[bs]` fault-injected at
 capture the gathered logits at the selected rows come out wrong (injected at replay only, the parity
@@ -150,14 +150,19 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
     for layout in LAYOUTS:
         # Emulated graphs: plain greedy steps replay whole-iteration graphs, or (iteration_graph off) each
         # forward's own graph.
+        # Overlap scheduling (on by default on CUDA only) forced on: step N+1 launched before step N is
+        # finished, with preemptions, on every rank alike.
         for draft, emulate, tag, extra in (("random:3", False, "", {}), ("random:2:5:nochain", True, "", {}),
                                            ("none", True, "", {}), ("random:2", False, "/tight", tight),
                                            ("random:2", True, "/per_forward", {"iteration_graph": False}),
-                                           ("none", True, "/per_forward", {"iteration_graph": False})):
+                                           ("none", True, "/per_forward", {"iteration_graph": False}),
+                                           ("random:2", False, "/tight_overlap", tight),
+                                           ("random:2", True, "/overlap", {})):
             e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate, **extra)
+            e.scheduler.overlap = tag.endswith("overlap")
             # Rank 0's events of an eager run, and of a run whose decode steps are whole-iteration replays.
-            ev_key = "events" if not emulate else "events_iter" if draft.startswith("random") and not extra else None
-            if rank == 0 and ev_key is not None and not extra:
+            ev_key = "events" if not emulate else "events_iter" if draft.startswith("random") else None
+            if rank == 0 and ev_key is not None and not extra and not tag:
                 e.events = EventBus()
             toks = drive(e, rank, PROMPTS, sps)
             if e.events is not None:
