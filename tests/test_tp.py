@@ -110,6 +110,18 @@ def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[di
             assert r["preemptions"] > 0, key
 
 
+def test_prefix_cache_hits_and_reset_alike_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """Shared-prefix prompts run three times, the cache reset on rank 0 before the third: every run's
+    output equals TP=1 target-only, the second run hits, the third does not, and both ranks count the
+    same hits (a follower whose cache kept its prefixes would admit differently and diverge)."""
+    for layout in ("all_reduce", "scattered"):
+        r0, r1 = ranks[0]["prefix"][layout], ranks[1]["prefix"][layout]
+        assert r0["equal"] == [True, True, True], layout
+        h = r0["hits"]
+        assert h == r1["hits"] and h[1] > h[0] and h[2] == h[1] + h[0], (layout, h)
+        assert r0["free"] and r1["free"], layout
+
+
 def test_seed_regression_draft_extend_logprob_rows_under_scattered_tp(ranks: list[dict[str, Any]]) -> None:
     """The un-pruned draft-extend graph carries bs·(S+1) logprob rows, padded to the TP size and split
     over the ranks; its gathered logits equal eager at every request's selected row. Fault-injecting

@@ -10,7 +10,7 @@ Checks (one result key each): the logits of every forward of a speculative run (
 every draft-extend step, target and draft runners) equal TP=1's in both layouts, with a replicated KV
 head, with replicated draft layers and with a reduced draft vocabulary; greedy speculative output equals
 TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), with
-overlap scheduling forced on too, and every pool of every rank is free afterwards; the seed
+overlap scheduling forced on too, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
 regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
 (padded, split over the ranks), its gathered logits equal eager, and with `[bs]` fault-injected at
 capture the gathered logits at the selected rows come out wrong (injected at replay only, the parity
@@ -182,6 +182,28 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
     res["exact"] = out
 
 
+def check_prefix(rank: int, res: dict[str, Any]) -> None:
+    """The prefix cache under TP: prompts sharing a prefix, run twice (the second run hits), then again
+    after `reset_prefix_cache()` on rank 0 (a control message: the followers' caches empty too, or their
+    admissions would differ from rank 0's). Output equals TP=1 target-only; hits are equal on both ranks."""
+    base = list(range(60, 84))
+    prompts = [base + [5, 6], base + [7], base[:13] + [9, 9, 9], base + [5, 6, 8]]
+    sps = [greedy(n) for n in (9, 5, 7, 6)]
+    want = [c.token_ids for c in engine("none").generate(prompts, sps)] if rank == 0 else None
+    out: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        e = engine("random:2", tp_size=2, tp_layout=layout)
+        runs: list[Any] = []
+        hits = []
+        for i in range(3):
+            if rank == 0 and i == 2:
+                e.reset_prefix_cache()
+            runs.append(drive(e, rank, prompts, sps))
+            hits.append(e.scheduler.prefix_hits)
+        out[layout] = {"equal": [r == want for r in runs] if rank == 0 else None, "hits": hits, "free": all_free(e)}
+    res["prefix"] = out
+
+
 def live_draft_batch(e: Engine, bs: int, width: int) -> Any:
     """A real un-pruned DRAFT_EXTEND view of `bs` running requests (as the worker builds its verify view)."""
     w = e.worker
@@ -259,6 +281,7 @@ def main() -> int:
     try:
         check_logits(rank, res)
         check_exact(rank, res, outdir)
+        check_prefix(rank, res)
         check_seed_regression(rank, res)
     except Exception:
         res["error"] = traceback.format_exc()

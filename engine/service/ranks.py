@@ -413,18 +413,18 @@ def attach(cfg: MleagleConfig) -> Runtime:
 def follow(engine: Any) -> int:
     """A follower's loop: apply rank 0's control messages, step when it steps, until it stops."""
     rt: Runtime = engine.ranks
-    mine = 0
     while True:
         c = rt.recv()
-        if c.digest != -1 and c.digest != mine:
-            raise RankError(f"rank {rt.rank}'s outputs differ from rank 0's (digest {mine} vs {c.digest}): "
+        # The engine's own digest of its last step (kept across a stop, as rank 0's is).
+        if c.digest != -1 and c.digest != engine._digest:
+            raise RankError(f"rank {rt.rank}'s outputs differ from rank 0's (digest {engine._digest} vs {c.digest}): "
                             "the ranks no longer compute the same tokens")
         for m in c.msgs:
             engine.apply_control(m)
         if c.stop:
             return 0
         if c.step:
-            mine = outputs_digest(engine.step())
+            engine.step()
 
 
 # --- processes ----------------------------------------------------------------------------------------
