@@ -274,10 +274,10 @@ def test_a_dead_rank_on_another_node_ends_rank_0(tiny_tok: Path) -> None:
     assert node1.returncode == 1 and "ranks ended with codes [-9]" in n1, n1
 
 
-def _oai_calls(url: str) -> list[Any]:
+def _oai_calls(url: str, key: str = "none") -> list[Any]:
     import openai
 
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
     res: list[Any] = []
     for prompt in ("Hello there", "The three primary colors are"):
         r = c.completions.create(model="tiny-tok", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
@@ -295,13 +295,14 @@ def _oai_calls(url: str) -> list[Any]:
     return res
 
 
-async def _stream_until_error(url: str, started: Any) -> dict[str, Any]:
+async def _stream_until_error(url: str, started: Any, key: str) -> dict[str, Any]:
     import aiohttp
 
     body = {"model": "tiny-tok", "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
             "ignore_eos": True}
     out: dict[str, Any] = {"text": "", "error": None, "done": False}
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+    hdr = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body, headers=hdr) as r:
         async for line in r.content:
             line = line.strip()
             if line == b"data: [DONE]":
@@ -324,6 +325,9 @@ async def test_daemon_tp2_answers_as_tp1_and_survives_a_killed_rank(tiny_tok: Pa
     import asyncio
     import signal
     import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
 
     from tests.daemon_helpers import ServerProc
 
@@ -335,16 +339,26 @@ async def test_daemon_tp2_answers_as_tp1_and_survives_a_killed_rank(tiny_tok: Pa
         assert ref.terminate() == 0, ref.log()
     finally:
         ref.kill()
-    srv = ServerProc(*common, "--tp", "2")
+    # The API key comes from the environment: no rank process, and not the rendezvous store, ever sees it.
+    key = "tp-secret-key-5b1f"
+    srv = ServerProc(*common, "--tp", "2", env={"MLEAGLE_API_KEY": key})
+    srv.api_key = key
     try:
         srv.wait_healthy(90)
-        assert _oai_calls(srv.url) == want
+        assert _oai_calls(srv.url, key) == want
         srv.wait_pools_free()
         d = srv.engine()
         kids = _children(d["pid"])
         assert len(kids) == 1  # rank 1, started by rank 0's engine process
+        for pid in (d["pid"], kids[0]):
+            for f in ("environ", "cmdline"):
+                assert key.encode() not in Path(f"/proc/{pid}/{f}").read_bytes(), (pid, f)
+        argv = Path(f"/proc/{kids[0]}/cmdline").read_bytes().decode().split("\0")
+        store = TCPStore("127.0.0.1", int(argv[argv.index("--master-port") + 1]), None, False, timedelta(seconds=10))
+        cfg = store.get("mleagle/config").decode()
+        assert key not in cfg and '"tp_size":2' in cfg.replace(" ", "")
         started = asyncio.Event()
-        job = asyncio.create_task(_stream_until_error(srv.url, started))
+        job = asyncio.create_task(_stream_until_error(srv.url, started, key))
         await asyncio.wait_for(started.wait(), 60)
         os.kill(kids[0], signal.SIGKILL)
         res = await asyncio.wait_for(job, 60)
@@ -361,7 +375,7 @@ async def test_daemon_tp2_answers_as_tp1_and_survives_a_killed_rank(tiny_tok: Pa
         srv.wait_healthy(90)
         d2 = srv.engine()
         assert d2["restarts"] == 1 and d2["pid"] != d["pid"] and len(_children(d2["pid"])) == 1
-        assert _oai_calls(srv.url) == want
+        assert _oai_calls(srv.url, key) == want
         assert srv.terminate() == 0, srv.log()
     finally:
         srv.kill()
