@@ -399,7 +399,10 @@ class Engine:
         except Exception as err:
             if self.ranks.closed or not getattr(self.ranks, "owned", False):
                 raise
-            raise self.ranks.failed(err) from err  # name the rank that is gone, not the collective
+            failed = self.ranks.failed(err)  # name the rank that is gone, not the collective
+            # Said now: the cleanup on the way out (the broken group's teardown) may not return.
+            log.error("%s", failed)
+            raise failed from err
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
