@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL): TP=2 against TP=1 on a Llama-3-8B-shaped dummy model, one run.
 
     python scripts/gpu_tp.py [--out PATH] [--layouts all_reduce,scattered]     # 2 GPUs, ~3-4 minutes
+    python scripts/gpu_tp.py --iteration-graph both                             # + per-forward graphs
     python scripts/gpu_tp.py --dry-run                                          # CPU, gloo, tiny model
 
 One process is rank 0 of every engine (TP=1 on GPU 0; TP=2 with rank 1 on GPU 1, started by the engine),
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny-dummy: the same code, small sizes")
     ap.add_argument("--layouts", default="all_reduce,scattered")
+    ap.add_argument("--iteration-graph", choices=["on", "off", "both"], default="on",
+                    help="whole-iteration graphs for the TP=2 runs (off: per-forward graphs only; both: each "
+                         "layout twice, keys ending /per_forward for off). TP=1 runs with on unless off")
     ap.add_argument("--out", default=None)
     ap.add_argument("--horizon", type=int, default=None, help="greedy tokens compared (default 16; dry run 8)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (difference of n and 2n)")
@@ -161,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         res["copy_bw_bytes_s"] = round(copy_bandwidth())
     t_all = time.perf_counter()
     ref = None
-    for tp, layout in [(1, "all_reduce")] + [(2, x) for x in a.layouts.split(",") if x]:
-        key = "tp1" if tp == 1 else f"tp2/{layout}"
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.iteration_graph]
+    plan = [(1, "all_reduce", modes[0])] + [(2, x, ig) for ig in modes for x in a.layouts.split(",") if x]
+    for tp, layout, ig in plan:
+        key = "tp1" if tp == 1 else f"tp2/{layout}" + ("" if ig else "/per_forward")
         t0 = time.perf_counter()
-        e = Engine(model, tp_size=tp, tp_layout=layout, **over)
+        e = Engine(model, tp_size=tp, tp_layout=layout, iteration_graph=ig, **over)
         load_s = time.perf_counter() - t0
         try:
             r = measure(e, a, probe, timing)
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         res["runs"][key] = r
         print(f"{key}: built in {load_s:.1f}s, measured in {r['wall_s'] - load_s:.1f}s", file=sys.stderr, flush=True)
     res["total_s"] = round(time.perf_counter() - t_all, 1)
+    res["settings"]["iteration_graph"] = a.iteration_graph
     res["ok"] = all(r["vs_tp1"]["logits_ok"] and r["vs_tp1"]["greedy_ok"] for k, r in res["runs"].items() if k != "tp1")
     print(table(res))
     out = Path(a.out or os.path.join(os.environ.get("OUT", "results"), "gpu_tp_dry.json" if dry else "gpu_tp.json"))
