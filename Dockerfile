@@ -5,11 +5,12 @@
 #   docker run --rm -p 8000:8000 mleagle                        # serves SmolLM2 on 0.0.0.0:8000
 #   docker run --rm -p 8000:8000 -e MLEAGLE_API_KEY=secret mleagle
 #
-# GPU: a CUDA base image and the matching torch wheel index, then run with --gpus all and --device cuda:
+# GPU: a CUDA base image and the matching torch wheel index (a CUDA torch build brings Triton), then
+# run with --gpus all: device "auto" serves on the GPU in bfloat16 with CUDA graphs.
 #   docker build -t mleagle:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
-#   docker run --rm --gpus all -p 8000:8000 mleagle:cuda --config smollm2-135m --host 0.0.0.0 --device cuda
+#   docker run --rm --gpus all -p 8000:8000 mleagle:cuda
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 

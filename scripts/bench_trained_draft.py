@@ -3,7 +3,7 @@ the serving boundary-KV policy ('stale') and the reference one ('recompute'), pl
 
 Every configuration runs the same prompts in the same fixed batches (one `generate` per batch, so the
 batch composition is identical across configurations), float32, greedy. Writes a JSON file.
-Example: `.venv/bin/python scripts/bench_trained_draft.py --draft results/drafts/smollm2-mtp2`.
+Example: `.venv/bin/python scripts/bench_trained_draft.py --draft drafts/smollm2-135m-mtp3`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def run(draft: str, boundary_kv: str, texts: list[str], bs: int, n_new: int) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--draft", default="results/drafts/smollm2-mtp2")
+    ap.add_argument("--draft", default="drafts/smollm2-135m-mtp3")
     ap.add_argument("--data", default=None, help="default: mt_bench.jsonl in $MLEAGLE_DATA_DIR or ../shared/data")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -73,8 +73,11 @@ def test_speculative_greedy_with_graphs_equals_target_only(draft: str) -> None:
     sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17), greedy(40), greedy(5), greedy(12), greedy(8), greedy(3)]
     want = run(ref, PROMPTS, sps)
     e = _engine(draft)
-    assert run(e, PROMPTS, sps) == want
-    assert sum(sum(r.graphs.stats.replays.values()) for r in e.runners) > 0
+    assert run(e, PROMPTS, sps) == want  # plain greedy: whole-iteration graphs
+    assert sum(e.worker.iter_graph.stats.replays.values()) > 0
+    lp = [sp.model_copy(update={"logprobs": 1}) for sp in sps]  # not plain: every forward replays its own graph
+    assert run(e, PROMPTS, lp) == want
+    assert all(sum(r.graphs.stats.replays.values()) > 0 for r in e.runners)
     assert all_free(e)
     t = _engine("none")
     assert run(t, PROMPTS, sps) == want
