@@ -17,6 +17,7 @@ commands:
   bench gpu     GPU benchmark through Engine.generate: graphs, eager, speculation, HF (mleagle bench gpu --help)
   bench prefix  prefix cache on against off: TTFT, prompt tokens computed, acceptance (mleagle bench prefix --help)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
+  engine-ranks  run this node's tensor-parallel ranks of a multi-node engine (mleagle engine-ranks --help)
   train-draft   make a draft from the target's own outputs: generate, train, eval, all (mleagle train-draft --help)
 """
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         from mleagle.engine.entrypoints.bench import main as run
     elif cmd == "serve":
         from mleagle.daemon.cli import serve_main as run
+    elif cmd == "engine-ranks":
+        from mleagle.engine.service.ranks import launcher_main as run
     elif cmd == "train-draft":
         from mleagle.engine.entrypoints.train_draft import main as run
     else:

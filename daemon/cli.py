@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mleagle.engine.contract.cli_flags import add_tp_args
 from mleagle.engine.contract.config import MleagleConfig, load_config
 
 # flag -> (section, field)
@@ -50,6 +51,13 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
     "enable_prefix_cache": ("engine", "enable_prefix_cache"),
+    "tp": ("engine", "tp_size"),
+    "tp_layout": ("engine", "tp_layout"),
+    "draft_tp": ("engine", "draft_tp"),
+    "nnodes": ("engine", "nnodes"),
+    "master_addr": ("engine", "master_addr"),
+    "master_port": ("engine", "master_port"),
+    "tp_timeout": ("engine", "tp_timeout_s"),
 }
 
 
@@ -76,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
+    add_tp_args(ap)
     ap.add_argument("--max-queued-requests", type=int, default=None, help="beyond running + this many: 429")
     ap.add_argument("--max-body-bytes", type=int, default=None)
     ap.add_argument("--shutdown-timeout", type=float, default=None, help="seconds a SIGTERM drain waits")

@@ -69,6 +69,7 @@ class Dashboard:
         self.lpm_mismatch = 0
         self.lpm_by: Counter[tuple[str, str]] = Counter()  # (runner, mode) -> forwards
         self.lpm_bad_by: Counter[tuple[str, str]] = Counter()
+        self.lpm_last: dict[tuple[str, str], LogprobMetaEvent] = {}  # (runner, mode) -> its latest forward
         # acceptance
         self.S = 0
         self.iterations = 0
@@ -141,6 +142,7 @@ class Dashboard:
         self.lpm.append(e)
         self.lpm_count += 1
         self.lpm_by[(e.runner, e.mode)] += 1
+        self.lpm_last[(e.runner, e.mode)] = e
         if not e.agree:
             self.lpm_mismatch += 1
             self.lpm_bad_by[(e.runner, e.mode)] += 1

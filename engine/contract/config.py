@@ -128,6 +128,29 @@ class EngineConfig(BaseModel):
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot
     # run (the CPU): for testing the graph path's bookkeeping, never faster.
     graph_emulate: bool = False
+    # Tensor parallelism: `tp_size` rank processes (one per GPU with NCCL, CPU processes with gloo), rank 0
+    # in this engine's process. "all_reduce": every rank holds every token, row-parallel outputs are
+    # all-reduced; "scattered": the residual stream is split by tokens (reduce-scatter after attention and
+    # the MLP, all-gather before each consumer and the head). Draft layers are sharded like the target, or
+    # replicated whole on every rank ("replicate": for draft heads that do not divide).
+    tp_size: int = Field(1, ge=1, le=64)
+    tp_layout: Literal["all_reduce", "scattered"] = "all_reduce"
+    draft_tp: Literal["shard", "replicate"] = "shard"
+    # Rendezvous (torch.distributed env:// style): nodes of tp_size/nnodes ranks each; rank 0's node is
+    # this one, the others run `mleagle engine-ranks --node-rank K`. Unset address/port: $MASTER_ADDR /
+    # $MASTER_PORT, else (one node) loopback and a free port.
+    nnodes: int = Field(1, ge=1)
+    master_addr: str | None = None
+    master_port: int | None = Field(None, ge=0, le=65535)
+    # A rank that stops answering (no heartbeat) for this long takes the engine down.
+    tp_timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_tp(self) -> EngineConfig:
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} is not divisible by nnodes={self.nnodes} "
+                             "(every node runs the same number of ranks)")
+        return self
 
     def resolved_device(self) -> str:
         if self.device != "auto":

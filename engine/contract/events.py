@@ -120,8 +120,10 @@ class LogprobMetaEvent(_Base):
     `width` is W (1 for DECODE/EXTEND rows, S+1 for TARGET_VERIFY/DRAFT_EXTEND), `logit_rows` the rows
     the forward's logits actually have (a host-known shape), `expected_rows` the row-count rule's value.
     `global_num_tokens[r]` and `global_num_tokens_for_logprob[r]` are the per-rank token and logprob token
-    counts that drive tensor-parallel gathers (one entry when tp_size is 1). `agree` is the engine's
-    check that these are consistent; use `LogprobMetaEvent.build` to compute it by the default rule.
+    counts that drive tensor-parallel gathers (one entry when tp_size is 1). In the "all_reduce" `layout`
+    every rank holds every token and logit row; in "scattered" tokens and rows are padded to a multiple
+    of tp_size and split evenly. `agree` is the engine's check that these are consistent with the logit
+    rows under the layout's rule; `LogprobMetaEvent.build` computes it by the one-rank default rule.
     """
 
     type: Literal["logprob_meta"] = "logprob_meta"
@@ -135,6 +137,7 @@ class LogprobMetaEvent(_Base):
     global_num_tokens: list[int] = Field(default_factory=list)
     global_num_tokens_for_logprob: list[int] = Field(default_factory=list)
     tp_size: int = 1
+    layout: Literal["all_reduce", "scattered"] | None = None  # None: an engine that predates the field
     agree: bool
 
     @classmethod

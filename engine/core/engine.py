@@ -6,6 +6,11 @@ and on CUDA captures each runner's graphs (reporting what, how much memory and h
 `add_request` / `abort` / `step` are the loop the engine process drives; `generate` and `stream` are
 the offline API on top of them. Bad input raises `EngineInputError` before anything is allocated,
 so it never harms other requests.
+
+With `tp_size > 1` this process is rank 0 of a tensor-parallel engine (`engine/service/ranks.py` starts
+the other ranks and keeps them alive): the model, its pools and the draft layers are sharded, and every
+`add_request` / `abort` is also queued for the other ranks, which receive the queue before each `step`
+and run the same schedule (`apply_control`). `close()` stops them.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.contract.tokenizer import Tokenizer
 from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler
+from mleagle.engine.distributed import LOCAL, TPGroup
 from mleagle.engine.executor.forward_batch import ForwardMode
 from mleagle.engine.executor.graph_runner import GraphRunner, default_buckets
 from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.kernels import set_fused_layers
+from mleagle.engine.layers.linear import kv_heads_per_rank
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
@@ -78,14 +85,53 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def rank_heads(model: torch.nn.Module, arch: Any) -> tuple[int, int]:
+    """(query heads, KV heads) of this rank's attention in `model` (a target or one draft layer)."""
+    block = getattr(model, "block", None)
+    attn = block.self_attn if block is not None else model.layers[0].self_attn  # type: ignore[index]
+    return int(attn.hq), int(attn.hk)
+
+
+def tp_shape_errors(arch: Any, n: int, what: str) -> list[str]:
+    """Why `arch` cannot be sharded over n ranks (empty: it can). KV heads may be fewer than the ranks
+    (then replicated), as long as one divides the other; the vocabulary is padded, never checked."""
+    errs = []
+    if arch.num_attention_heads % n:
+        errs.append(f"{what}num_attention_heads={arch.num_attention_heads} is not divisible by tp_size={n}")
+    try:
+        kv_heads_per_rank(arch.num_key_value_heads, n)
+    except ValueError:
+        errs.append(f"{what}num_key_value_heads={arch.num_key_value_heads} neither divides nor is divisible by "
+                    f"tp_size={n}")
+    if arch.intermediate_size % n:
+        errs.append(f"{what}intermediate_size={arch.intermediate_size} is not divisible by tp_size={n}")
+    return errs
+
+
+def _draft_arch(draft: str) -> Any:
+    """A draft folder's architecture, read before any rank starts (the draft loads later, per rank);
+    None for random drafts (the target's shape) and for imported checkpoints (checked when built)."""
+    import json
+    from pathlib import Path
+
+    from mleagle.engine.contract.config import ModelArch
+
+    f = Path(draft) / "draft_config.json"
+    if draft in ("", "none") or draft.startswith("random:") or not f.is_file():
+        return None
+    try:
+        return ModelArch.model_validate(json.loads(f.read_text())["arch"])
+    except (ValueError, KeyError):
+        return None  # reported properly when the draft is read
+
+
 def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: int, arch: Any,
                  ecfg: EngineConfig, max_reqs: int, max_context: int, dtype: torch.dtype) -> ModelRunner:
-    """A runner with its own KV pool, request-to-token map and attention backend."""
-    pool = KVPool(name, num_layers, num_slots, arch.num_key_value_heads, arch.head_dim, dtype, ecfg.device,
-                  ecfg.page_size)
+    """A runner with its own KV pool, request-to-token map and attention backend, the pool holding this
+    rank's KV heads (all of them at TP size 1)."""
+    hq, hk = rank_heads(model, arch)
+    pool = KVPool(name, num_layers, num_slots, hk, arch.head_dim, dtype, ecfg.device, ecfg.page_size)
     r2t = ReqToTokenPool(name, max_reqs, max_context, ecfg.device)
-    # Query heads per KV head times the pool's KV heads: this rank's query heads under any sharding.
-    hq = arch.num_attention_heads // arch.num_key_value_heads * pool.k[0].shape[1]
     backend = create_backend(ecfg.attention_backend, pool, r2t, hq)
     return ModelRunner(name, model, pool, r2t, backend)
 
@@ -126,17 +172,37 @@ class Engine:
         # Dummy weights are generated on the device; real ones load on the CPU (dequantised, cached).
         loaded = load_model(cfg.model, self.dtype, self.device if cfg.model.load_format == "dummy" else "cpu")
         self.arch = loaded.arch
+        self.ranks: Any = None  # the tensor-parallel runtime (engine/service/ranks.py), tp_size > 1
+        self.tp: TPGroup = LOCAL
+        self._outbox: list[tuple[Any, ...]] = []  # control messages for the other ranks, sent before a step
+        self._digest = 0
+        if e.tp_size > 1:
+            errs = tp_shape_errors(self.arch, e.tp_size, "")
+            darch = _draft_arch(e.draft)
+            if darch is not None and e.draft_tp == "shard":
+                errs += [f"{x} (or set draft_tp = \"replicate\")" for x in tp_shape_errors(darch, e.tp_size, "draft ")]
+            if errs:
+                raise EngineInputError(f"model {cfg.model.name} cannot run with tensor parallelism: " + "; ".join(errs))
+            from mleagle.engine.service import ranks
+
+            try:
+                self.ranks = ranks.attach(cfg)
+            except (ValueError, ranks.RankError) as err:
+                raise EngineInputError(str(err)) from err
+            self.tp = self.ranks.tp
         self.tokenizer: Tokenizer | None = Tokenizer.from_source(cfg.model)
         self.max_context_len = min(e.max_context_len or self.arch.max_position_embeddings,
                                    self.arch.max_position_embeddings)
         with torch.device(self.device):  # parameters allocated where they run (an 8B shape never sits on the host)
-            model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN)
+            model = LlamaForCausalLM(self.arch, self.dtype, max_positions=self.max_context_len + LOOKAHEAD_MARGIN,
+                                     tp=self.tp, layout=e.tp_layout)
         model.load_weights(loaded.weights)
         del loaded
         self.model = model.to(self.device).eval()
         self.load_time_s = time.perf_counter() - t0
 
-        slot_bytes = KVPool.slot_bytes(self.arch.num_hidden_layers, self.arch.num_key_value_heads,
+        # Per rank: this rank's KV heads (a replicated head where there are fewer heads than ranks).
+        slot_bytes = KVPool.slot_bytes(self.arch.num_hidden_layers, rank_heads(self.model, self.arch)[1],
                                        self.arch.head_dim or 0, self.dtype)
         num_slots = e.max_total_tokens or int(e.kv_memory_mb * 2**20 // slot_bytes)
         num_slots = max(num_slots // e.page_size, 2) * e.page_size
@@ -168,8 +234,12 @@ class Engine:
 
     def _capture_iteration(self, buckets: list[int], pool: object, cuda: bool) -> str:
         """Whole-iteration graphs for plain greedy batches, when every runner's forward can be captured
-        and no backend plans from host lengths (a single replay leaves no room to plan each forward)."""
-        from mleagle.engine.executor.forward_batch import row_meta
+        and no backend plans from host lengths (a single replay leaves no room to plan each forward).
+
+        Under tensor parallelism every rank captures the same body with its collectives inside, and
+        every rank takes the same path for a step (the choice depends only on the batch, which is the
+        same everywhere), so the ranks replay the same bucket's graph together; the metadata recorded
+        and checked is each forward's per-rank counts for its runner's layout."""
         from mleagle.engine.sampling.processor import RowFlags
 
         w = self.worker
@@ -187,19 +257,22 @@ class Engine:
                 return w._iteration(rpi, live, plain, w.capture_view(int(rpi.shape[0])), eager=True)[:2]
 
             def meta(pbs: int) -> Any:
-                return ([row_meta(ForwardMode.TARGET_VERIFY, pbs, steps + 1)]
-                        + [row_meta(ForwardMode.DRAFT_EXTEND, pbs, steps + 1, pruned=True)] * steps)
+                return ([self.target.rule_meta(ForwardMode.TARGET_VERIFY, pbs, steps + 1)]
+                        + [r.rule_meta(ForwardMode.DRAFT_EXTEND, pbs, steps + 1, pruned=True) for r in self.runners[1:]])
         else:
             def body(rpi: torch.Tensor, live: torch.Tensor) -> Any:
                 return w._decode_body(rpi, live, plain, w.capture_view(int(rpi.shape[0])), eager=True)
 
             def meta(pbs: int) -> Any:
-                return [row_meta(ForwardMode.DECODE, pbs, 1)]
+                return [self.target.rule_meta(ForwardMode.DECODE, pbs, 1)]
         g = IterationGraph("spec" if steps else "decode", body, meta, buckets, self.target.binding.req_to_token.pad_row,
                            self.device, emulate=not cuda, pool=pool)
         try:
             g.capture()
         except Exception as err:  # per-forward graphs still serve every batch
+            if self.tp.size > 1:  # but not on one rank alone (see `_capture_graphs`)
+                raise RuntimeError(f"rank {self.tp.rank}: whole-iteration graph capture failed under tensor "
+                                   f"parallelism: {type(err).__name__}: {err}") from err
             log.exception("whole-iteration graph capture failed; per-forward graphs serve instead")
             return f"iteration: per-forward graphs only (capture failed: {type(err).__name__}: {err})"
         w.iter_graph = g
@@ -235,10 +308,15 @@ class Engine:
             mode = ForwardMode.DRAFT_EXTEND if r in spec else ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
             g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
                             hidden_size=self.arch.hidden_size, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
-                            emulate=not cuda, pool=pool)
+                            emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
             try:
                 g.capture()
             except Exception as err:  # a kernel that cannot be captured: serve eagerly, say why
+                if self.tp.size > 1:
+                    # A rank cannot fall back alone: an eager forward's collectives are sized by the live
+                    # batch, a replay's by its bucket, so the ranks would no longer meet. Fail the engine.
+                    raise RuntimeError(f"rank {self.tp.rank}: graph capture of {r.name} failed under tensor "
+                                       f"parallelism: {type(err).__name__}: {err}") from err
                 log.exception("graph capture of %s failed; it runs eagerly", r.name)
                 r.no_graph_reason = f"capture failed: {type(err).__name__}"
                 lines.append(f"{r.name}: eager (capture failed: {type(err).__name__}: {err})")
@@ -278,21 +356,68 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise EngineInputError("stop strings need a tokenizer; this model has none")
         seed = params.seed if params.seed is not None else mix(self.cfg.engine.seed, next(self._seeds))
+        self._add(rid, ids, params, seed)
+
+    def _add(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> None:
         req = Req(rid, ids, params, seed)
         if params.stop and self.tokenizer is not None:
             req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)
         self.scheduler.add(req)
-        self.telemetry.prompt_total += n
-        self.telemetry.on_add(rid, n)
+        self.telemetry.prompt_total += len(ids)
+        self.telemetry.on_add(rid, len(ids))
+        if self.ranks is not None and self.ranks.rank == 0:
+            self._outbox.append(("add", rid, ids, params, seed))
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
+        if self.ranks is not None and self.ranks.rank == 0:
+            self._outbox.append(("abort", rid))
+
+    def apply_control(self, msg: tuple[Any, ...]) -> None:
+        """A follower rank: apply one of rank 0's control messages (validated there, seed resolved)."""
+        if msg[0] == "add":
+            _, rid, ids, params, seed = msg
+            self._add(rid, ids, params, seed)
+        elif msg[0] == "abort":
+            self.scheduler.abort(msg[1])
+        elif msg[0] == "reset_cache":
+            self.mem.reset_cache()
+        else:
+            raise ValueError(f"unknown control message {msg[0]!r}")
 
     def step(self) -> list[RequestOutput]:
+        if self.ranks is None:
+            return self._step()
+        try:
+            if self.ranks.rank == 0:
+                # Every rank applies the same messages, then runs the same step (engine/service/ranks.py).
+                from mleagle.engine.service.ranks import Control
+
+                self.ranks.send(Control(self._outbox, step=True, digest=self._digest))
+                self._outbox = []
+            return self._step()
+        except Exception as err:
+            if self.ranks.closed or not getattr(self.ranks, "owned", False):
+                raise
+            failed = self.ranks.failed(err)  # name the rank that is gone, not the collective
+            # Said now: the cleanup on the way out (the broken group's teardown) may not return.
+            log.error("%s", failed)
+            raise failed from err
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outs = self.scheduler.step()
         self.telemetry.on_step(outs, time.perf_counter() - t0)
+        if self.ranks is not None:
+            from mleagle.engine.service.ranks import outputs_digest
+
+            self._digest = outputs_digest(outs)
         return outs
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; a no-op at TP size 1 and on followers)."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            self.ranks.stop_engine()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -310,6 +435,7 @@ class Engine:
                 "num_preemptions": sch.num_preemptions, "load_time_s": round(self.load_time_s, 3),
                 "spec": spec.summary() if spec is not None else None,
                 "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None),
+                "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None,
                 "prefix_cache": self.prefix_cache_stats()}
 
     def prefix_cache_stats(self) -> dict[str, Any] | None:
@@ -324,7 +450,11 @@ class Engine:
                 "evicted_tokens": c.evicted_tokens}
 
     def reset_prefix_cache(self) -> int:
-        """Evict every cached prefix no running request uses; returns the tokens freed."""
+        """Evict every cached prefix no running request uses; returns the tokens freed. Under tensor
+        parallelism the other ranks do the same before the next step (their caches must match rank 0's,
+        or their admissions, and so their forwards, would differ)."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            self._outbox.append(("reset_cache",))
         return self.mem.reset_cache()
 
     def pool_usage(self) -> list[dict[str, Any]]:

@@ -10,12 +10,14 @@ out as deltas, so a preempted and resumed request never repeats or loses a token
 from __future__ import annotations
 
 import enum
-import time
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 from mleagle.engine.contract.outputs import FinishReason, SpecStats, TokenLogprob
 from mleagle.engine.contract.sampling_params import SamplingParams
+
+_ARRIVALS = itertools.count()
 
 
 class ReqState(enum.Enum):
@@ -46,7 +48,9 @@ class Req:
     error: str | None = None
     abort_requested: bool = False
     num_preemptions: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    # Creation order (LIFO preemption picks the newest): a counter, not a clock, so every
+    # tensor-parallel rank (which creates the same requests in the same order) picks the same victim.
+    arrival: int = field(default_factory=lambda: next(_ARRIVALS))
     first_token_time: float | None = None
     spec: SpecStats | None = None
     stop_state: Any = None  # the stop-string matcher's per-request state

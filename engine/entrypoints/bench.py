@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mleagle.engine.contract.cli_flags import add_tp_args, tp_overrides
 from mleagle.engine.contract.config import data_dir
 
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-steps", type=int, default=None)
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                    help="auto: triton on CUDA, torch on the CPU")
+    add_tp_args(p)
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="no prefix KV reuse (with it on, every timed run still starts with an empty cache)")
     p.add_argument("--skip-hf", action="store_true")
@@ -352,12 +354,20 @@ def run(a: argparse.Namespace) -> int:
             over[k] = getattr(a, k)
     if a.disable_prefix_cache:
         over["enable_prefix_cache"] = False
+    over.update(tp_overrides(a))
+    tp = int(over.get("tp_size", 1))
+    if tp > 1 and not a.skip_hf:
+        # HF would read this rank's shards; and one tensor-parallel engine runs per process.
+        print("mleagle bench: --tp > 1 skips HF and the target-only baseline (one TP engine per process)",
+              file=sys.stderr)
+        a.skip_hf = True
+    report["tp_size"] = tp
     engine = Engine(cfg, **over)
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
     target = None
     report["draft"] = a.draft if a.draft is not None else cfg.model.default_draft  # as given (no machine path)
-    if engine.cfg.engine.draft not in ("", "none"):
+    if engine.cfg.engine.draft not in ("", "none") and tp == 1:
         target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")}, draft="none")
     report["engine_load_s"] = round(engine.load_time_s, 3)
     report["weights"] = weight_report(engine)
@@ -412,6 +422,7 @@ def run(a: argparse.Namespace) -> int:
               + (f", HF {row['hf']['decode_tok_s']:.1f} tok/s" if hf is not None else ""), file=sys.stderr)
     report["results"] = results
     report["peak_rss_mb_total"] = round(peak_rss_mb(), 1)
+    engine.close()
     _, ptrs_after = kv_report(engine)
     report["kv"]["allocated_once"] = ptrs_after == kv_ptrs
     report["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mleagle.engine.contract.cli_flags import add_tp_args, tp_overrides
+
 EXIT_USAGE = 2
 
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-prefix-cache", action="store_true", help="recompute every prompt (no prefix KV reuse)")
     p.add_argument("--threads", type=int, default=None)
+    add_tp_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
@@ -101,6 +104,7 @@ def engine_overrides(a: argparse.Namespace) -> dict[str, Any]:
             "max_running_requests": a.max_running_requests, "chunked_prefill_size": a.chunked_prefill_size,
             "threads": a.threads, "seed": a.seed, "attention_backend": a.attention_backend,
             "enable_prefix_cache": False if a.disable_prefix_cache else None}
+    keys.update(tp_overrides(a))
     return {k: v for k, v in keys.items() if v is not None}
 
 
@@ -232,17 +236,20 @@ def run(a: argparse.Namespace) -> int:
     if not a.no_progress:
         print(f"mleagle: {cfg.model.name} ({engine.cfg.engine.dtype}, {engine.cfg.engine.device}) loaded in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    if a.json:
-        comps = engine.generate(prompts, params, chat=a.chat)
-        for i, (p, c) in enumerate(zip(prompts, comps)):
-            print(json.dumps(completion_json(engine, i, p, c), ensure_ascii=False), flush=True)
-        return 0
-    progress = Progress(len(prompts), not a.no_progress)
     try:
-        stream_text(engine, prompts, params, a.chat, progress)
+        if a.json:
+            comps = engine.generate(prompts, params, chat=a.chat)
+            for i, (p, c) in enumerate(zip(prompts, comps)):
+                print(json.dumps(completion_json(engine, i, p, c), ensure_ascii=False), flush=True)
+            return 0
+        progress = Progress(len(prompts), not a.no_progress)
+        try:
+            stream_text(engine, prompts, params, a.chat, progress)
+        finally:
+            progress.close()
+        return 0
     finally:
-        progress.close()
-    return 0
+        engine.close()  # with --tp: the other ranks stop too
 
 
 def main(argv: list[str]) -> int:

@@ -126,6 +126,10 @@ class ForwardBatch:
     # bound that covers an iteration still in flight). Backends size gathers by it without a sync.
     max_seq_len: int = 0
     graph_bs: int = 0  # the padded batch size a graph replay ran at (0: eager); set by the graph runner
+    # The row counts this forward's tensor-parallel gathers follow: a graph runner's bucket views carry
+    # their capture's (checked at replay); an eager forward under TP is stamped by its runner from the
+    # rule. None elsewhere (a TP-size-1 eager forward gathers nothing).
+    row_meta: RowMeta | None = None
 
     @property
     def expected_logit_rows(self) -> int:

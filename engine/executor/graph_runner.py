@@ -14,8 +14,10 @@ Row counts come from one rule: each captured bucket records `row_meta(mode, padd
 per-rank token and logprob counts of the configured tensor-parallel layout) and a replay recomputes
 them from the live batch after padding; the two must agree (`MetaMismatch` otherwise), which is the
 check that would have caught a draft-extend graph recording `[bs]` logprob rows where the forward
-makes bs·W. On a machine without CUDA (`emulate`), the same buffers, padding and metadata run with an
-eager forward instead of a replay, so the CPU tests exercise everything but the graph itself.
+makes bs·W. Each bucket's batch view carries its captured metadata (`ForwardBatch.row_meta`), so the
+tensor-parallel gathers inside the captured forward are sized by exactly what the check compares. On a
+machine without CUDA (`emulate`), the same buffers, padding and metadata run with an eager forward
+instead of a replay, so the CPU tests exercise everything but the graph itself.
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ class MetaMismatch(AssertionError):
     """A replay's row metadata differs from what its graph was captured with."""
 
 
-# Fault injection for the metadata tests: replay fills draft-extend logprob counts with [bs] (the bug
-# this project exists to never have). Never set outside tests.
-FAULT_DRAFT_LOGPROB_BS = False
+# Fault injection for the metadata tests: draft-extend logprob counts filled with [bs] where the forward
+# makes bs·W rows (the bug this project exists to never have). True: at replay only (the parity check
+# must catch it); "capture": at capture and replay alike (as SGLang's capture did), so parity holds and
+# the wrong counts drive the tensor-parallel gathers (the logits test must catch it). Never set outside
+# tests.
+FAULT_DRAFT_LOGPROB_BS: bool | str = False
 
 
 def default_buckets(max_bs: int) -> list[int]:
@@ -115,17 +120,20 @@ class GraphRunner:
 
     def _views(self, pbs: int) -> ForwardBatch:
         """The bucket's batch view over the fixed buffers (built once per bucket: the same objects, so a
-        graph captured on them reads the same addresses at every replay)."""
+        graph captured on them reads the same addresses at every replay). It carries the bucket's row
+        metadata (`row_meta`): the per-rank counts the captured forward's tensor-parallel gathers are
+        sized by, which every replay of the bucket must reproduce (`run` checks)."""
         v = self._bucket_views.get(pbs)
         if v is None:
             w, tot = self.width, pbs * self.width
-            v = self._bucket_views[pbs] = ForwardBatch(
+            v = ForwardBatch(
                 mode=self.mode, input_ids=self.buf["input_ids"][:tot], positions=self.buf["positions"][:tot],
                 out_cache_loc=self.buf["out_cache_loc"][:tot], req_pool_indices=self.buf["req_pool_indices"][:pbs],
                 seq_lens=self.buf["seq_lens"][:pbs], extend_lens=[w] * pbs, prefix_lens=[0] * pbs,
                 logit_rows=self.buf["logit_rows"][: self.rows(pbs)], binding=self.runner.binding, width=w,
                 hidden_in=self.buf["hidden_in"][:tot] if "hidden_in" in self.buf else None, pruned=self.pruned,
                 max_seq_len=w, graph_bs=pbs)
+            v = self._bucket_views[pbs] = dataclasses.replace(v, row_meta=self.meta_of(v))
         return v
 
     def static_batch(self, batch: ForwardBatch | None, pbs: int) -> ForwardBatch:
@@ -153,8 +161,9 @@ class GraphRunner:
     def meta_of(self, sb: ForwardBatch) -> RowMeta:
         """The metadata a padded static batch produces (at capture: all pad rows; at replay: live + pad)."""
         m = sb.meta(self.tp_size, self.layout)
-        if FAULT_DRAFT_LOGPROB_BS and self.mode is ForwardMode.DRAFT_EXTEND and sb.rids:
-            m = dataclasses.replace(m, global_num_tokens_for_logprob=(len(sb.rids),) * self.tp_size)
+        fault = FAULT_DRAFT_LOGPROB_BS
+        if fault and self.mode is ForwardMode.DRAFT_EXTEND and (sb.rids or fault == "capture"):
+            m = dataclasses.replace(m, global_num_tokens_for_logprob=(sb.bs,) * self.tp_size)
         return m
 
     # --- capture and replay --------------------------------------------------------------------
@@ -168,7 +177,8 @@ class GraphRunner:
             backend.init_graph(self.buckets[-1], self.width)
         for pbs in sorted(self.buckets, reverse=True):
             sb = self.static_batch(None, pbs)
-            meta = self.meta_of(sb)
+            meta = sb.row_meta  # the bucket's: what the captured gathers are sized by (`_views`)
+            assert meta is not None
             if int(sb.logit_rows.shape[0]) != meta.logit_rows:
                 raise MetaMismatch(f"{self.runner.name}: buffer of {sb.logit_rows.shape[0]} logit rows, rule {meta.logit_rows}")
             if not cuda:

@@ -7,7 +7,9 @@ refuses any batch that carries a different binding. There is no shared "current 
 a draft step cannot silently read or write another step's KV. Runners know nothing of speculation:
 the speculative worker composes them. A runner may own a `GraphRunner` (CUDA graphs of its uniform
 forwards): `forward` checks the binding first, then replays a captured graph when the batch fits one
-and runs eagerly otherwise, counting every eager forward by its reason.
+and runs eagerly otherwise, counting every eager forward by its reason. Under tensor parallelism an
+eager forward stamps the batch with the row-count rule's per-rank counts (`row_meta`) before the model
+runs, so every gather of the forward is sized by the rule.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from mleagle.engine.executor.graph_runner import GraphRunner
 
 from mleagle.engine.attention.base import AttentionBackend, BindingError
-from mleagle.engine.executor.forward_batch import ForwardBatch
+from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, Layout, RowMeta, row_meta
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 
@@ -74,6 +76,23 @@ class ModelRunner:
     def bind(self, batch: ForwardBatch) -> ForwardBatch:
         return dataclasses.replace(batch, binding=self.binding)
 
+    @property
+    def tp_size(self) -> int:
+        return int(getattr(self.model, "tp_size", 1))
+
+    @property
+    def layout(self) -> Layout:
+        return getattr(self.model, "layout", "all_reduce")
+
+    def row_meta(self, batch: ForwardBatch) -> RowMeta:
+        """The row counts this runner's forward of `batch` is sized by: the batch's own (a graph bucket's)
+        or the rule's for this runner's tensor-parallel size and layout."""
+        return batch.row_meta if batch.row_meta is not None else batch.meta(self.tp_size, self.layout)
+
+    def rule_meta(self, mode: ForwardMode, bs: int, width: int, pruned: bool = False) -> RowMeta:
+        """The rule's row counts of a uniform forward of this runner (what a graph of it records)."""
+        return row_meta(mode, bs, width, pruned=pruned, tp_size=self.tp_size, layout=self.layout)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if batch.binding is not self.binding:
@@ -96,9 +115,15 @@ class ModelRunner:
         if batch.binding is not self.binding:
             raise BindingError(f"runner {self.name} refuses a batch bound to "
                                f"{batch.binding.name if batch.binding else 'nothing'}")
+        if self.tp_size > 1 and batch.row_meta is None:
+            # Every tensor-parallel gather of this forward is sized by the one row-count rule.
+            batch = dataclasses.replace(batch, row_meta=self.row_meta(batch))
         self.binding.backend.plan(batch)
         hidden = self.model(batch)
-        logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
+        if hasattr(self.model, "logits"):
+            logits = self.model.logits(hidden, batch).float()
+        else:
+            logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
         rows = batch.expected_logit_rows
         if logits.shape[0] != rows:
             raise AssertionError(f"{self.name}: {logits.shape[0]} logit rows, the rule says {rows}")

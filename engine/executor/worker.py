@@ -81,6 +81,9 @@ class FwdInfo:
     num_tokens: int
     graph_bs: int  # the bucket it replayed at; 0 = eager
     eager_reason: str | None
+    # A forward inside a whole-iteration replay (no runner observer saw it): its row counts by the rule,
+    # per rank, for the live batch (the replay checked its bucket's against the capture's).
+    meta: RowMeta | None = None
 
     @staticmethod
     def of(runner: str, b: ForwardBatch, graph_bs: int, why: str | None, bs: int | None = None) -> FwdInfo:
@@ -290,7 +293,8 @@ class TargetWorker:
         g = self.iter_graph
         if g is not None and flags.plain and flags.logprobs < 0 and g.bucket(bs) is not None:
             packed, pbs = g.run(rpi, bs)
-            self.forwards = [FwdInfo(self.target.name, "DECODE", bs, tuple(r.rid for r in reqs), [1] * bs, bs, pbs, None)]
+            self.forwards = [FwdInfo(self.target.name, "DECODE", bs, tuple(r.rid for r in reqs), [1] * bs, bs, pbs, None,
+                                     self.target.rule_meta(ForwardMode.DECODE, bs, 1))]
         else:
             packed, _ = self._decode_body(rpi, None, flags, self.host_view(reqs), eager=False)
         timer.mark()
@@ -313,7 +317,7 @@ class TargetWorker:
         lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
         st.commit(rpi, tok.view(-1, 1), one, flags, live=live)
-        return pack(tok.view(-1, 1), one, lp, 1), [batch.meta()]
+        return pack(tok.view(-1, 1), one, lp, 1), [self.target.row_meta(batch)]
 
     def _arange(self, n: int) -> torch.Tensor:
         a = getattr(self, "_ar_cache", None)

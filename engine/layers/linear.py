@@ -1,9 +1,13 @@
 """Column- and row-parallel linear layers, with merged variants for fused QKV and gate/up.
 
 A column-parallel layer holds a slice of the output features and needs no communication; a
-row-parallel layer holds a slice of the input features and all-reduces its partial sums. The merged
-column layer stores several logical projections (q|k|v, gate|up) in one weight so one GEMM serves
-them, and knows how to load each logical part into its shard.
+row-parallel layer holds a slice of the input features and all-reduces its partial sums (or leaves
+them to the caller, which reduce-scatters them in the token-scattered layout). The merged column layer
+stores several logical projections (gate|up) in one weight so one GEMM serves them, and knows how to
+load each logical part into its shard. `QKVParallelLinear` shards attention by heads: each rank holds
+its query heads and the KV heads they read, so with fewer KV heads than ranks a KV head is replicated
+on the ranks that share it (vLLM's `num_kv_head_replicas`). Every layer keeps the `TPGroup` it was
+built with, so a replicated block (size-1 group) and a sharded one run side by side.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mleagle.engine.distributed import all_reduce, shard, tp
+from mleagle.engine.distributed import TPGroup, current
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,10 +33,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp or current()
         self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = shard(out_features, "out_features")
+        self.out_per_rank = self.tp.shard(out_features, "out_features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False) if bias else None
 
@@ -40,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def load(self, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
-        r = tp().rank
+        r = self.tp.rank
         self.weight.data.copy_(w[r * self.out_per_rank : (r + 1) * self.out_per_rank])
         if self.bias is not None and b is not None:
             self.bias.data.copy_(b[r * self.out_per_rank : (r + 1) * self.out_per_rank])
@@ -49,13 +55,14 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections in one weight; each rank holds its slice of every part."""
 
-    def __init__(self, in_features: int, sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None):
-        super().__init__(in_features, sum(sizes), bias, dtype)
+    def __init__(self, in_features: int, sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None,
+                 tp: TPGroup | None = None):
+        super().__init__(in_features, sum(sizes), bias, dtype, tp)
         self.sizes = sizes
-        self.sizes_per_rank = [shard(s, "merged part") for s in sizes]
+        self.sizes_per_rank = [self.tp.shard(s, "merged part") for s in sizes]
 
     def load_part(self, i: int, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
-        r, n = tp().rank, self.sizes_per_rank[i]
+        r, n = self.tp.rank, self.sizes_per_rank[i]
         off = sum(self.sizes_per_rank[:i])
         self.weight.data[off : off + n].copy_(w[r * n : (r + 1) * n])
         if self.bias is not None and b is not None:
@@ -65,21 +72,71 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return y.split(self.sizes_per_rank, dim=-1)
 
 
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads one rank holds: its share, or one replicated head when there are fewer heads than ranks."""
+    if num_kv_heads >= size:
+        if num_kv_heads % size:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by the tensor-parallel size {size}")
+        return num_kv_heads // size
+    if size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} neither divides nor is divisible by the "
+                         f"tensor-parallel size {size}")
+    return 1
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q|k|v, sharded by heads: rank r holds query heads [r·Hq/N, (r+1)·Hq/N) and the KV heads
+    they attend with (replicated over N/Hk ranks when Hk < N)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
+                 dtype: torch.dtype | None = None, tp: TPGroup | None = None):
+        g = tp or current()
+        self.hq = g.shard(num_heads, "num_attention_heads")
+        self.hk = kv_heads_per_rank(num_kv_heads, g.size)
+        self.d = head_dim
+        # The first KV head this rank holds: its share, or the one its query heads read when replicated.
+        self.kv_start = g.rank * self.hk if num_kv_heads >= g.size else g.rank * num_kv_heads // g.size
+        nn.Module.__init__(self)
+        self.tp = g
+        self.in_features, self.out_features = hidden, (num_heads + 2 * num_kv_heads) * head_dim
+        self.sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.sizes_per_rank = [self.hq * head_dim, self.hk * head_dim, self.hk * head_dim]
+        self.out_per_rank = sum(self.sizes_per_rank)
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_part(self, i: int, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
+        n = self.sizes_per_rank[i]
+        start = self.tp.rank * n if i == 0 else self.kv_start * self.d
+        off = sum(self.sizes_per_rank[:i])
+        self.weight.data[off : off + n].copy_(w[start : start + n])
+        if self.bias is not None and b is not None:
+            self.bias.data[off : off + n].copy_(b[start : start + n])
+
+
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
-        self.in_per_rank = shard(in_features, "in_features")
+        self.tp = tp or current()
+        self.in_per_rank = self.tp.shard(in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False` returns this rank's partial sums (the caller reduce-scatters them); a bias is
+        then the caller's to add, once, after its reduction."""
         y = linear(x, self.weight)
-        y = all_reduce(y)
+        if not reduce:
+            if self.bias is not None and self.tp.size > 1:
+                raise NotImplementedError("a row-parallel bias with a caller-side reduction")
+            return y if self.bias is None else y + self.bias
+        y = self.tp.all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.
         return y + self.bias if self.bias is not None else y
 
     def load(self, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
-        r = tp().rank
+        r = self.tp.rank
         self.weight.data.copy_(w[:, r * self.in_per_rank : (r + 1) * self.in_per_rank])
         if self.bias is not None and b is not None:
             self.bias.data.copy_(b)

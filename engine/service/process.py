@@ -9,8 +9,11 @@ cleanup), the engine gets SIGTERM from the kernel, exits, and removes the daemon
 pending message (a blocking poll when idle, non-blocking when there is work), runs one `engine.step()`
 and sends that step's deltas as one `Outputs` message. A bad request is answered with a
 `RequestError` and never stops the loop; a step that raises fails the requests in flight, and three
-failures in a row end the process (the daemon restarts it). Rank 0 talks to the daemon; with
-`--world-size > 1` the other ranks are started the same way and run the engine's worker loop.
+failures in a row end the process (the daemon restarts it). With tensor parallelism (`tp_size > 1`)
+this process is rank 0: its Engine starts and supervises the other ranks (`engine/service/ranks.py`),
+which follow its schedule and never talk to the daemon; a failed step then ends the process at once
+(the ranks may have stopped in different places), and so does a dead rank, so the daemon restarts
+them all.
 """
 
 from __future__ import annotations
@@ -162,6 +165,10 @@ class EngineLoop:
             if self.failures >= MAX_STEP_FAILURES:
                 self.send(Fatal(message=f"{self.failures} engine steps failed in a row; last: {err}"))
                 return 1
+            if getattr(self.engine, "ranks", None) is not None:
+                # Tensor parallel: the ranks may have failed at different collectives; none can go on.
+                self.send(Fatal(message=f"a tensor-parallel engine step failed: {err}"))
+                return 1
             return None
         # Deltas of requests already failed above (their abort outputs) are not the daemon's business.
         outs = [o for o in outs if o.rid in self.live]
@@ -205,8 +212,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--outputs", required=True, help="zmq address to PUSH outputs to")
     ap.add_argument("--events", default=None, help="zmq address to PUBlish state events on")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit if this process is not our parent")
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--world-size", type=int, default=1)
     return ap.parse_args(argv)
 
 
@@ -299,33 +304,34 @@ def main(argv: list[str] | None = None) -> int:
         _remove_orphaned_run_dir(args.run_dir, args.parent_pid)
 
 
+def _hard_exit(args: argparse.Namespace, code: int) -> None:
+    """Exit without a clean stop (tensor parallel: the other ranks must fail, and be restarted, with
+    us, and no group destructor may wait on them); the orphaned run dir is still removed."""
+    logging.shutdown()
+    _remove_orphaned_run_dir(args.run_dir, args.parent_pid)
+    os._exit(code)
+
+
 def _main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[0] %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop (Ctrl-C hits it)
-    os.environ.setdefault("RANK", str(args.rank))
-    os.environ.setdefault("WORLD_SIZE", str(args.world_size))
     text = sys.stdin.read() if args.config_file == "-" else Path(args.config_file).read_text()
     cfg = MleagleConfig.model_validate_json(text)
     ctx = zmq.Context()
-    push = pull = None
-    if args.rank == 0:
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 2000)
-        # The daemon always reads; a send that cannot go out for this long means it is gone.
-        push.setsockopt(zmq.SNDTIMEO, 60_000)
-        push.connect(args.outputs)
-        pull = ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.connect(args.requests)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    # The daemon always reads; a send that cannot go out for this long means it is gone.
+    push.setsockopt(zmq.SNDTIMEO, 60_000)
+    push.connect(args.outputs)
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.connect(args.requests)
     t0 = time.perf_counter()
-    pump = _event_pump(args.events) if args.rank == 0 else None
+    pump = _event_pump(args.events)
     try:
         engine = build_engine(cfg)
-        if args.rank != 0:
-            # Worker ranks follow rank 0's schedule through torch.distributed, not through the daemon.
-            return int(engine.worker_loop() or 0)
         tok_dir = None
         if getattr(engine, "tokenizer", None) is not None:
             tok_dir = str(Path(args.run_dir) / "tokenizer")
@@ -339,16 +345,16 @@ def _main(args: argparse.Namespace) -> int:
             spec_steps=int(getattr(engine, "spec_steps", None) or cfg.engine.spec_steps or 0),
             vocab_size=getattr(engine, "vocab_size", None),
             pid=os.getpid(),
-            world_size=args.world_size,
+            world_size=int(cfg.engine.tp_size),
             max_request_tokens=_max_request_tokens(engine),
         )
     except Exception as e:
         log.error("engine failed to start:\n%s", traceback.format_exc())
-        if push is not None:
-            push.send(encode(Fatal(message=f"engine failed to start: {type(e).__name__}: {e}")))
+        push.send(encode(Fatal(message=f"engine failed to start: {type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)
+        if "mleagle.engine.service.ranks" in sys.modules and sys.modules["mleagle.engine.service.ranks"].runtime():
+            _hard_exit(args, 1)  # not a clean stop: the other ranks must fail (and be restarted) with us
         return 1
-    assert push is not None and pull is not None
     log.info("engine ready in %.1fs: %s, max context %d", time.perf_counter() - t0, ready.model_name, ready.max_context_len)
     push.send(encode(ready))
     try:
@@ -359,6 +365,10 @@ def _main(args: argparse.Namespace) -> int:
     if pump is not None:
         pump.close()
     ctx.destroy(linger=1000)
+    if code == 0 and hasattr(engine, "close"):
+        engine.close()  # a clean stop: the other tensor-parallel ranks stop too (and their launchers end)
+    elif getattr(engine, "ranks", None) is not None:
+        _hard_exit(args, code)  # a failure: the other ranks fail too and are restarted with us
     return code
 
 

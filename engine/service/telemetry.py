@@ -2,7 +2,9 @@
 
 The engine process installs an `EventBus` as `engine.events`; until then (and in the offline API)
 every hook returns at once. Hooks: `on_forward` (every runner forward → logprob metadata: mode, bs,
-width, logit rows against the one row-count rule), `on_step` (the step's batch and any draft-extend
+width, logit rows against the one row-count rule, and the per-rank token and logprob counts of the
+tensor-parallel layout; the forwards inside a whole-iteration graph replay, which no runner observes,
+get theirs in `on_step` from the iteration's descriptors), `on_step` (the step's batch and any draft-extend
 batches, per-runner pool occupancy, acceptance, request lifecycle and per-token logprobs), `on_add`
 (queued). Everything read here is a Python int, a list length or a tensor shape. Request events carry
 counts and lifecycle only: token ids, token text and logprobs (another user's output, readable by
@@ -20,7 +22,7 @@ from mleagle.engine.executor.worker import FwdInfo
 if TYPE_CHECKING:
     from mleagle.engine.contract.outputs import RequestOutput
     from mleagle.engine.core.engine import Engine
-    from mleagle.engine.executor.forward_batch import ForwardBatch
+    from mleagle.engine.executor.forward_batch import ForwardBatch, RowMeta
     from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
 
 
@@ -47,11 +49,17 @@ class Telemetry:
         self.forwards[runner.name] = self.forwards.get(runner.name, 0) + 1
         if self.bus is None:
             return
-        rows = int(out.logits.shape[0])
-        self.bus.emit(ev.LogprobMetaEvent.build(
-            runner=runner.name, mode=batch.mode.value, bs=batch.bs, width=batch.width, logit_rows=rows,
-            expected_rows=batch.expected_logit_rows, global_num_tokens=[batch.num_tokens],
-            global_num_tokens_for_logprob=[rows], step=self.e.scheduler.num_steps))
+        # The per-rank counts this forward's gathers used: its own (eager), or by the same rule from the
+        # live batch (a graph replay ran a padded copy); the rule is the same on every rank.
+        self._logprob_meta(runner.name, runner.row_meta(batch), int(out.logits.shape[0]), batch.expected_logit_rows,
+                           self.e.scheduler.num_steps)
+
+    def _logprob_meta(self, runner: str, m: RowMeta, rows: int, expected: int, step: int) -> None:
+        self.bus.emit(ev.LogprobMetaEvent(
+            runner=runner, mode=m.mode.value, bs=m.bs, width=m.width, logit_rows=rows,
+            expected_rows=expected, global_num_tokens=list(m.global_num_tokens),
+            global_num_tokens_for_logprob=list(m.global_num_tokens_for_logprob), tp_size=m.tp_size,
+            layout=m.layout, agree=m.agree and rows == m.logit_rows == expected, step=step))
 
     def on_step(self, outputs: list[RequestOutput], duration: float) -> None:
         s = self.e.scheduler
@@ -71,6 +79,9 @@ class Telemetry:
         main = forwards[0] if forwards else None
         last = getattr(w, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
         times = last.draft_layer_s if last is not None else []
+        for f in forwards:  # forwards inside a whole-iteration replay: no observer saw them
+            if f.meta is not None:
+                self._logprob_meta(f.runner, f.meta, f.meta.logit_rows, f.meta.logit_rows, step)
         # Draft steps first, the target's batch last, so a subscriber's "last batch" is the step's main forward.
         for k, f in enumerate(forwards[1:] + forwards[:1]):
             bus.emit(ev.BatchEvent(step=step, mode=f.mode, runner=f.runner, rids=list(f.rids),  # type: ignore[arg-type]

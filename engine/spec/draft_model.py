@@ -13,6 +13,14 @@ draft that only proposes frequent tokens is cheaper per step. `compute_logits` t
 logits over the draft vocabulary; `DraftHead.to_target_ids` maps the chosen indices back to target
 ids and `DraftHead.scatter_probs` puts draft probabilities back in the target's vocabulary (zero
 outside the draft vocabulary, which keeps rejection sampling exact: the draft never proposes those).
+
+Under tensor parallelism the block is sharded like the target's layers (same layout: all-reduce, or
+token-scattered with its own reduce-scatters and gathers), or replicated whole on every rank
+(`replicate`, for heads that do not divide): then only the shared embedding and head communicate and
+the draft runs in the all-reduce layout. `eh_proj` is replicated either way. The full-vocabulary draft
+head is the target's vocab-parallel head (its logit rows gathered like the target's); a reduced head
+is replicated: its rows are collected once from every rank's vocabulary shard, and every rank computes
+the same [R, Vd] logits from the same hidden states with no communication.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ import torch
 from torch import nn
 
 from mleagle.engine.contract.config import ModelArch
-from mleagle.engine.distributed import tp
+from mleagle.engine.distributed import LOCAL, Comm, TPGroup, comm_for
 from mleagle.engine.executor.forward_batch import ForwardBatch
-from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_shard
 from mleagle.engine.layers.linear import linear
 from mleagle.engine.layers.norm import RMSNorm
 from mleagle.engine.layers.rope import RotaryEmbedding
@@ -35,7 +43,8 @@ class DraftHead(nn.Module):
 
     One instance is shared by every layer of a stack. With `vocab_ids`, `weight` is [Vd, H], a copy made
     from the target head at construction (a per-step gather would cost what the subset saves): code that
-    edits the target head afterwards calls `refresh()`.
+    edits the target head afterwards calls `refresh()` (on every rank: under tensor parallelism the copy
+    is collected from every rank's vocabulary shard).
     """
 
     vocab_ids: torch.Tensor | None
@@ -54,17 +63,29 @@ class DraftHead(nn.Module):
             raise ValueError(f"draft vocab_ids must be non-empty ids in [0, {lm_head.vocab_size})")
         if ids.unique().numel() != ids.numel():
             raise ValueError("draft vocab_ids must not repeat an id")
-        if tp().size != 1:
-            raise ValueError("a reduced draft vocabulary is not supported with tensor parallelism yet")
-        w = lm_head.weight
-        self.register_buffer("vocab_ids", ids.to(w.device), persistent=False)
-        self.register_buffer("weight", w.detach()[self.vocab_ids].clone(), persistent=False)
+        self.register_buffer("vocab_ids", ids.to(lm_head.weight.device), persistent=False)
+        self.register_buffer("weight", self._rows(), persistent=False)
+
+    @torch.no_grad()
+    def _rows(self) -> torch.Tensor:
+        """The target head's rows `vocab_ids` [Vd, H]. Vocab-parallel: each rank holds the rows of its
+        shard and zeros elsewhere, and a sum over ranks puts every row together on every rank (exact:
+        each row has one non-zero contribution)."""
+        head = self._target[0]
+        w, g, ids = head.weight.detach(), head.tp, self.vocab_ids
+        assert ids is not None
+        if g.size == 1:
+            return w[ids].clone()
+        start, per = vocab_shard(head.vocab_size, g)
+        mine = (ids >= start) & (ids < start + per)
+        out = w[torch.where(mine, ids - start, 0)] * mine.unsqueeze(-1).to(w.dtype)
+        return g.all_reduce(out.contiguous())
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-gather the rows after the target head's weights changed (loading, tests that edit weights)."""
         if self.vocab_ids is not None:
-            self.weight = self._target[0].weight.detach()[self.vocab_ids].clone()
+            self.weight = self._rows()
 
     @property
     def size(self) -> int:
@@ -75,6 +96,14 @@ class DraftHead(nn.Module):
         if self.weight is None:
             return self._target[0](x)
         return linear(x, self.weight)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, norm: nn.Module, comm: Comm) -> torch.Tensor:
+        """The final norm and the head over the logit rows of `hidden` [T, H] (every rank holds every
+        row): the target head's vocab-parallel path, or the replicated reduced head computed on every
+        rank alike (no gather: the rows and the head are the same everywhere)."""
+        if self.weight is None:
+            return self._target[0].logits(hidden, rows, norm, comm)
+        return linear(norm(hidden[rows]), self.weight)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices (any shape) → target token ids."""
@@ -90,16 +119,20 @@ class DraftHead(nn.Module):
 
 class MTPLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, embed: VocabParallelEmbedding, lm_head: ParallelLMHead,
-                 rope: RotaryEmbedding, head: DraftHead | None = None):
+                 rope: RotaryEmbedding, layout: str = "all_reduce", replicate: bool = False,
+                 head: DraftHead | None = None):
         super().__init__()
         h = arch.hidden_size
+        self.tp: TPGroup = embed.tp  # the group the shared embedding and head communicate over
+        self.replicate = replicate
+        self.layout = "all_reduce" if replicate else layout
         self.enorm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps, dtype)
         # eh_proj is replicated on every tensor-parallel rank: it is small (2H×H) and its output feeds
         # the block's column-parallel projections whole.
         self.eh_proj = nn.Linear(2 * h, h, bias=False, dtype=dtype)
         self.eh_proj.weight.requires_grad_(False)
-        self.block = DecoderLayer(arch, 0, rope, dtype)
+        self.block = DecoderLayer(arch, 0, rope, dtype, LOCAL if replicate else self.tp)
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         # Shared with the target, held by reference (not registered), so weights exist once.
         self._shared = (embed, lm_head)
@@ -108,13 +141,30 @@ class MTPLayer(nn.Module):
 
     num_kv_layers = 1
 
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    def comm(self, batch: ForwardBatch) -> Comm:
+        return comm_for(self.tp, self.layout, batch) if self.tp.size > 1 else Comm(LOCAL)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         embed, _ = self._shared
         if batch.hidden_in is None:
             raise ValueError("a draft layer needs input hidden states")
-        x = self.eh_proj(torch.cat([self.enorm(embed(batch.input_ids)), self.hnorm(batch.hidden_in)], dim=-1))
-        h, res = self.block(batch.positions, x, None, batch)
-        return h + res  # the block's output stream, before this layer's final norm
+        c = self.comm(batch)
+        if c.scattered:  # this rank's token rows of both inputs; the block gathers what it needs
+            e, hin = c.scatter_tokens(embed(batch.input_ids, reduce=False)), c.shard_tokens(batch.hidden_in)
+        else:
+            e, hin = embed(batch.input_ids), batch.hidden_in
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hin)], dim=-1))
+        h, res = self.block(batch.positions, x, None, batch, c)
+        s = h + res  # the block's output stream, before this layer's final norm
+        return c.gather_tokens(s) if c.scattered else s
+
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """[R, Vd] logits of the batch's logit rows (the runner's path; `compute_logits` for given rows)."""
+        return self.head.logits(hidden, batch.logit_rows, self.norm, self.comm(batch))
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, Vd] logits over the draft vocabulary (Vd = V without a reduced vocabulary)."""
@@ -124,11 +174,12 @@ class MTPLayer(nn.Module):
 class DraftStack(nn.Module):
     def __init__(self, arch: ModelArch, num_layers: int, chain: bool, dtype: torch.dtype,
                  embed: VocabParallelEmbedding, lm_head: ParallelLMHead, rope: RotaryEmbedding,
-                 vocab_ids: torch.Tensor | None = None):
+                 layout: str = "all_reduce", replicate: bool = False, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         self.arch, self.chain = arch, chain
         self.head = DraftHead(lm_head, vocab_ids)
-        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, self.head) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head)
+                                    for _ in range(num_layers))
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:

@@ -212,8 +212,9 @@ class SpecWorker(TargetWorker):
                 and g.bucket(bs) is not None):
             packed, pbs = g.run(rpi, bs)
             rids = tuple(r.rid for r in reqs)
-            self.forwards = [FwdInfo(r.name, "TARGET_VERIFY" if r is self.target else "DRAFT_EXTEND", bs, rids, [w] * bs,
-                                     bs * w, pbs, None) for r in self.runners]
+            modes = [(r, ForwardMode.TARGET_VERIFY if r is self.target else ForwardMode.DRAFT_EXTEND) for r in self.runners]
+            self.forwards = [FwdInfo(r.name, m.value, bs, rids, [w] * bs, bs * w, pbs, None,
+                                     r.rule_meta(m, bs, w, pruned=m is ForwardMode.DRAFT_EXTEND)) for r, m in modes]
             timer.mark()  # one span: the whole iteration (its verify/draft split is not timed inside a graph)
         else:
             packed, _, hidden = self._iteration(rpi, None, flags, self.host_view(reqs), eager=False, timer=timer)
@@ -238,7 +239,7 @@ class SpecWorker(TargetWorker):
         out = self.target.forward_eager(vb, observe=False) if eager else self.target.forward(vb)
         self.last_batch = vb
         self.forwards = [FwdInfo.of(self.target.name, vb, out.graph_bs, out.eager_reason)]
-        metas = [vb.meta()]
+        metas = [self.target.row_meta(vb)]
         if flags.plain:
             x, rows = out.logits, None
         else:
@@ -322,7 +323,7 @@ class SpecWorker(TargetWorker):
             self.step_batches.append(b)
             o = runner.forward_eager(b, observe=False) if eager else runner.forward(b)
             self.forwards.append(FwdInfo.of(runner.name, b, o.graph_bs, o.eager_reason))
-            metas.append(b.meta())
+            metas.append(runner.row_meta(b))
             d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
             if timer is not None:
                 timer.mark()
@@ -428,9 +429,18 @@ def build_spec_worker(engine: object) -> SpecWorker:
     if steps > len(layers):
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     model = e.model  # type: ignore[attr-defined]
+    tp_size = model.tp.size
+    replicate = tp_size > 1 and ecfg.draft_tp == "replicate"
+    if tp_size > 1 and not replicate:
+        from mleagle.engine.core.engine import tp_shape_errors
+
+        errs = tp_shape_errors(darch, tp_size, "draft ")
+        if errs:
+            raise EngineInputError(f"draft {ecfg.draft} cannot be sharded over tp_size={tp_size}: {'; '.join(errs)}; "
+                                   'set draft_tp = "replicate" (--draft-tp replicate) to run it whole on every rank')
     try:
         stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
-                           vocab_ids=vocab_ids)
+                           layout=model.layout, replicate=replicate, vocab_ids=vocab_ids)
     except ValueError as err:
         raise EngineInputError(f"draft {ecfg.draft}: {err}") from err
     for m, w in zip(stack.layers, layers):

@@ -3,6 +3,9 @@
 This is the "one rule for row counts" invariant made visible: a row whose counts disagree with the
 logit rows (agree=False) is highlighted in red, and the summary above the table counts mismatches per
 runner and mode, so a branch that writes [bs] where the forward makes bs·W rows is seen immediately.
+Under tensor parallelism the summary names the ranks and the layout, and shows per runner and mode the
+tokens and logprob rows each rank held in its latest forward (in the token-scattered layout each rank
+holds its padded share; in the all-reduce layout every rank holds them all).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ def lpm_row(e: LogprobMetaEvent) -> tuple:
     return tuple(Text(c, style=s or ("green" if c == "yes" else "")) for c in cells)
 
 
+def per_rank(counts: list[int]) -> str:
+    return " ".join(str(c) for c in counts) if counts else "-"
+
+
 class LogprobsPanel(Panel):
     MAX_ROWS = 300
     DEFAULT_CSS = """
@@ -46,10 +53,20 @@ class LogprobsPanel(Panel):
             return
         s = Text.assemble(("forwards ", "bold"), str(m.lpm_count), ("   mismatches ", "bold"),
                           (str(m.lpm_mismatch), BAD if m.lpm_mismatch else "green"))
+        tp = max((e.tp_size for e in m.lpm_last.values()), default=1)
+        if tp > 1:
+            layouts = sorted({e.layout or "?" for e in m.lpm_last.values()})
+            s.append("   tensor parallel ", style="bold")
+            s.append(f"{tp} ranks, {'/'.join(layouts)}")
         for runner, mode in sorted(m.lpm_by, key=lambda k: (runner_order(k[0]), k[1])):
             bad = m.lpm_bad_by[(runner, mode)]
             s.append(f"\n  {runner:<8} {mode:<14} {m.lpm_by[(runner, mode)]:>6} forwards  ")
             s.append(f"{bad} mismatched" if bad else "all agree", style=BAD if bad else "green")
+            last = m.lpm_last.get((runner, mode))
+            if tp > 1 and last is not None:
+                s.append(f"   per rank (r0..r{last.tp_size - 1}): tokens {per_rank(last.global_num_tokens)}"
+                         f"  logprob rows {per_rank(last.global_num_tokens_for_logprob)}"
+                         f"  of {last.logit_rows}")
         self.query_one("#lpm-summary", Static).update(s)
         t = self.query_one("#lpm-table", DataTable)
         self.shown = append_rows(t, list(m.lpm), m.lpm_count, self.shown, self.MAX_ROWS, lpm_row)
