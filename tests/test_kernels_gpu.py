@@ -1,5 +1,5 @@
-"""GPU checks of the kernels and backends (marked gpu: they skip without CUDA; the lead runs them on
-the H200).
+"""GPU checks of the kernels and backends (marked gpu: they skip without CUDA; `pytest -m gpu` on a
+CUDA machine runs them).
 
 - every case of tests/kernel_cases.py through the Triton backend on CUDA, in bfloat16 and float32;
 - the attention cases through FlashInfer (bfloat16; skipped when flashinfer is not importable),
