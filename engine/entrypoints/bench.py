@@ -74,17 +74,21 @@ def read_first_turns(name: str, ddir: Path) -> list[str]:
     return out
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or ""
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or ""
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    import torch
+
+    cpu = cpu_name()
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": threads,
             "python": platform.python_version(), "platform": platform.platform(),
             "loadavg_start": list(os.getloadavg())}

@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -156,15 +155,9 @@ def hardware(device: str) -> str:
 
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    cpu = platform.processor() or "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads (torch {torch.__version__})"
+    from mleagle.engine.entrypoints.bench import cpu_name
+
+    return f"{cpu_name() or 'CPU'}, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
 def make_engine(a: argparse.Namespace, draft: str = "none", batch: int = 1, kv_tokens: int = 256,
