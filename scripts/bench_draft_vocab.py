@@ -95,13 +95,9 @@ def main() -> int:
 
 
 def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU"
+    from mleagle.engine.entrypoints.bench import cpu_name
+
+    return cpu_name() or "CPU"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,3 +147,13 @@ async def raw_http(url: str, data: bytes, timeout: float = 10.0) -> tuple[int, d
             buf += chunk
     finally:
         writer.close()
+
+
+async def sse_events(content: Any) -> AsyncIterator[dict | None]:
+    """The JSON events of a server-sent-events body (an aiohttp response's `content`); None for `[DONE]`."""
+    async for line in content:
+        line = line.strip()
+        if line == b"data: [DONE]":
+            yield None
+        elif line.startswith(b"data: "):
+            yield json.loads(line[6:])

@@ -5,13 +5,12 @@ pool of every runner free afterwards; a queue limit that answers 429 with Retry-
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import aiohttp
 import pytest
 
-from tests.daemon_helpers import ServerProc
+from tests.daemon_helpers import ServerProc, sse_events
 
 N = 64
 MT = 6
@@ -45,15 +44,11 @@ async def streamed(s: aiohttp.ClientSession, url: str, i: int) -> tuple[str, lis
     spec = None
     async with s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200
-        async for line in r.content:
-            line = line.strip()
-            if not line.startswith(b"data: "):
-                continue
-            if line == b"data: [DONE]":
+        async for ch in sse_events(r.content):
+            if ch is None:
                 done += 1
                 continue
             assert done == 0, "data after [DONE]"
-            ch = json.loads(line[6:])
             for c in ch["choices"]:
                 text += c["text"]
                 if c["finish_reason"]:

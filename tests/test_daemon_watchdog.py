@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.daemon_helpers import ServerProc
+from tests.daemon_helpers import ServerProc, sse_events
 
 TINY = ("--config", "tiny-dummy", "--threads", "1")
 BUDGET = 2.0  # --engine-ping-timeout
@@ -57,15 +57,12 @@ async def gen_stream(s: aiohttp.ClientSession, url: str, n: int, first: asyncio.
         if r.status != 200:
             out["error"] = (await r.json())["error"]
             return out
-        async for line in r.content:
-            line = line.strip()
-            if line == b"data: [DONE]":
+        async for ev in sse_events(r.content):
+            if ev is None:
                 out["done"] = True
-            elif line.startswith(b"data: "):
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"]
-                    continue
+            elif "error" in ev:
+                out["error"] = ev["error"]
+            else:
                 out["after_error"] += out["error"] is not None
                 out["tokens"] += len(ev["token_ids"])
                 if first is not None and out["tokens"]:

@@ -298,22 +298,21 @@ def _oai_calls(url: str, key: str = "none") -> list[Any]:
 async def _stream_until_error(url: str, started: Any, key: str) -> dict[str, Any]:
     import aiohttp
 
+    from tests.daemon_helpers import sse_events
+
     body = {"model": "tiny-tok", "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
             "ignore_eos": True}
     out: dict[str, Any] = {"text": "", "error": None, "done": False}
     hdr = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body, headers=hdr) as r:
-        async for line in r.content:
-            line = line.strip()
-            if line == b"data: [DONE]":
+        async for ev in sse_events(r.content):
+            if ev is None:
                 out["done"] = True
-            elif line.startswith(b"data: "):
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"]
-                elif ev.get("choices"):
-                    out["text"] += ev["choices"][0]["text"]
-                    started.set()
+            elif "error" in ev:
+                out["error"] = ev["error"]
+            elif ev.get("choices"):
+                out["text"] += ev["choices"][0]["text"]
+                started.set()
     return out
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from mleagle.engine.attention.base import AttentionBackend
+from mleagle.engine.attention.triton_backend import triton_rope_store
 from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode
-from mleagle.engine.kernels.attention import fill_kv_indices, rope_store
+from mleagle.engine.kernels.attention import fill_kv_indices
 from mleagle.engine.layers.rope import RotaryEmbedding
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
@@ -146,10 +147,7 @@ class FlashInferBackend(AttentionBackend):
     # --- forward --------------------------------------------------------------------------------------
     def _rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                     batch: ForwardBatch) -> torch.Tensor:
-        q = rope_store(qkv, positions, rope.cos, rope.sin, batch.out_cache_loc, self.kv_pool.k[layer],
-                       self.kv_pool.v[layer], self.q_heads(qkv))
-        self.kv_pool.num_writes += 1
-        return q
+        return triton_rope_store(self, layer, qkv, positions, rope, batch)
 
     def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         _, wrapper = self._run

@@ -22,6 +22,15 @@ from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 
 
+def triton_rope_store(be: AttentionBackend, layer: int, qkv: torch.Tensor, positions: torch.Tensor,
+                      rope: RotaryEmbedding, batch: ForwardBatch) -> torch.Tensor:
+    """Rotary + K/V store in one Triton launch into `be`'s own pool (the Triton and FlashInfer backends)."""
+    q = rope_store(qkv, positions, rope.cos, rope.sin, batch.out_cache_loc, be.kv_pool.k[layer],
+                   be.kv_pool.v[layer], be.q_heads(qkv))
+    be.kv_pool.num_writes += 1
+    return q
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -72,10 +81,7 @@ class TritonBackend(AttentionBackend):
 
     def _rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                     batch: ForwardBatch) -> torch.Tensor:
-        q = rope_store(qkv, positions, rope.cos, rope.sin, batch.out_cache_loc, self.kv_pool.k[layer],
-                       self.kv_pool.v[layer], self.q_heads(qkv))
-        self.kv_pool.num_writes += 1
-        return q
+        return triton_rope_store(self, layer, qkv, positions, rope, batch)
 
     def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self._ext is None:

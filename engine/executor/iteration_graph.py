@@ -36,7 +36,7 @@ class IterationCapture:
 
 
 @dataclass
-class IterationStats:
+class IterationGraphStats:
     replays: Counter[int] = field(default_factory=Counter)
     capture_s: float = 0.0
     capture_mb: float = 0.0
@@ -58,7 +58,7 @@ class IterationGraph:
         self.nreal = torch.zeros((), dtype=torch.int64, device=device)
         self.ar = torch.arange(mb, device=device)
         self.caps: dict[int, IterationCapture] = {}
-        self.stats = IterationStats()
+        self.stats = IterationGraphStats()
 
     def bucket(self, bs: int) -> int | None:
         for b in self.buckets:

@@ -201,7 +201,7 @@ class SpecWorker(TargetWorker):
 
     # --- decode iteration ----------------------------------------------------------------------
     def launch(self, reqs: list[Req]) -> Pending:
-        s, w, bs = self.steps, self.steps + 1, len(reqs)
+        w, bs = self.steps + 1, len(reqs)
         timer = Timer(self.device)
         timer.mark()
         rpi = self.rpi_of(reqs)
@@ -222,7 +222,6 @@ class SpecWorker(TargetWorker):
         if self.boundary_kv == "recompute":
             assert hidden is not None
             p = self._recompute(p, hidden)
-        del s
         return p
 
     def _iteration(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView, eager: bool,
@@ -392,9 +391,6 @@ class SpecWorker(TargetWorker):
         """Draft pools are filled when a request's prefill completes: until then only its cached prefix
         is valid in every runner. After that every committed position is (stale policy: as written)."""
         return req.cached_len if req.prefilling else req.kv_len
-
-    def release(self, req: Req) -> None:
-        super().release(req)
 
 
 def build_spec_worker(engine: object) -> SpecWorker:
