@@ -185,6 +185,14 @@ def test_prompts_exclude_evaluation_sets_and_duplicates(tmp_path: Path) -> None:
     jobs, _ = D.make_jobs([D.Prompt("abc", "s")] * 400, lambda t: [1] * len(t), mix, max_prompt_tokens=4)
     share = sum(j.temperature > 0 for j in jobs) / len(jobs)
     assert 0.18 < share < 0.32
+    # Several answers per prompt: distinct job ids, the first answer as the mix says, later ones never
+    # greedy (a second greedy answer would repeat the first), and every first answer before any second.
+    more, _ = D.make_jobs([D.Prompt("abc", "s")] * 400, lambda t: [1] * len(t), mix, max_prompt_tokens=4, samples=3)
+    assert len(more) == 1200 and len({j.idx for j in more}) == 1200
+    assert [(j.idx, j.temperature) for j in more[:400]] == [(j.idx, j.temperature) for j in jobs]
+    assert all(j.temperature == 0.7 for j in more[400:]) and [j.idx for j in more] == sorted(j.idx for j in more)
+    with pytest.raises(ValueError, match="above 0"):
+        D.make_jobs([D.Prompt("abc", "s")], lambda t: [1], D.parse_mix("0=1"), max_prompt_tokens=4, samples=2)
     for bad in ("", "x=1", "0=-1"):
         with pytest.raises(ValueError):
             D.parse_mix(bad)
@@ -251,6 +259,28 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     rc = cli.main(["train-draft", "train", "--out", str(tmp_path / "again"), "--data", str(exp / "data.npz"),
                    "--steps", "3", *common])
     assert rc == 0 and json.loads((tmp_path / "again" / "train.json").read_text())["result"]["steps"] == 3
+    # A second generation with two answers per prompt regenerates no greedy answer the first run holds.
+    greedy = sum(x.temperature == 0 for x in D.load_seqs(exp / "data.npz"))
+    gen2 = ["train-draft", "generate", "--out", str(tmp_path / "more"), "--max-prompts", "24", "--max-new-tokens", "12",
+            "--gen-batch", "12", "--samples-per-prompt", "2", "--skip-greedy-in", str(exp / "data.npz"),
+            "--model", str(toml), "--device", "cpu"]
+    assert cli.main(gen2) == 0
+    g2 = json.loads((tmp_path / "more" / "summary_generate.json").read_text())["generate"]
+    assert greedy > 0 and g2["skipped_greedy_repeats"] == greedy and g2["jobs"] == 48 - greedy - g2["skipped_long_prompts"]
+    new = D.load_seqs(tmp_path / "more" / "data")
+    old_greedy = {tuple(x.ids[: x.n_prompt]) for x in D.load_seqs(exp / "data.npz") if x.temperature == 0}
+    assert len(new) == g2["jobs"] and not old_greedy & {tuple(x.ids[: x.n_prompt]) for x in new if x.temperature == 0}
+    # ... from several data files at once, and starting from a saved draft: before any step, its held-out
+    # loss is the saved draft's (not a fresh stack's), and its draft vocabulary is kept
+    rc = cli.main(["train-draft", "train", "--out", str(tmp_path / "warm"), "--data", f"{exp / 'data.npz'},{out / 'data'}",
+                   "--init-draft", str(exp / "draft"), "--steps", "2", *common[:-6], "--holdout-seqs", "4",
+                   "--log-every-s", "100", "--draft-vocab", "2048"])
+    warm = json.loads((tmp_path / "warm" / "train.json").read_text())
+    assert rc == 0 and warm["train_seqs"] + warm["heldout_seqs"] == 2 * n_gen and warm["draft_vocab"] == 1024
+    cold = json.loads((tmp_path / "again" / "train.json").read_text())
+    trained_kl = sum(s["train"]["heldout_after"]["kl"])
+    assert sum(cold["heldout_before"]["kl"]) > trained_kl
+    assert sum(warm["heldout_before"]["kl"]) < sum(cold["heldout_before"]["kl"])
 
 
 def test_generation_cut_by_its_budget_keeps_what_was_made(tmp_path: Path) -> None:

@@ -55,6 +55,11 @@ def _gen(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gsm8k-train", action="store_true", help="add GSM8K train questions (most are in prompts.jsonl)")
     g.add_argument("--extra-prompts", action="append", default=[], help="more prompt JSONL files")
     g.add_argument("--sources", default=None, help="comma list: keep only these `source` labels")
+    g.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="answers per prompt; the ones after the first use only the mix's temperatures above 0")
+    g.add_argument("--skip-greedy-in", default=None,
+                   help="comma list of data folders/.npz: greedy jobs whose prompt already has a greedy answer "
+                        "there are skipped (it would come out the same)")
     g.add_argument("--gen-batch", type=int, default=None, help="max running requests (default 256 CUDA, 32 CPU)")
     g.add_argument("--gen-prefill-chunk", type=int, default=None, help="engine chunked_prefill_size for generation")
     g.add_argument("--shard-seqs", type=int, default=1024, help="sequences per shard")
@@ -82,7 +87,10 @@ def _train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab-coverage", type=float, default=None,
                    help="instead of a size: the smallest multiple of 1024 ids covering this share of response tokens")
     g.add_argument("--data", default=None,
-                   help="train on this data folder or exported data.npz (default OUT/data); `all` then skips generate")
+                   help="train on these data folders or exported data.npz files (comma list; default OUT/data); "
+                        "`all` then skips generate")
+    g.add_argument("--init-draft", default=None,
+                   help="start from this saved draft (same layer count; its draft vocabulary is kept)")
     g.add_argument("--holdout-seqs", type=int, default=64)
     g.add_argument("--train-time-budget-s", type=float, default=None)
     g.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's train_state.pt")
@@ -200,21 +208,36 @@ def phase_generate(a: argparse.Namespace, engine: Any, deadline: float | None,
     prompts = training_prompts(ddir, gsm8k_train=a.gsm8k_train, extra=a.extra_prompts,
                                sources=a.sources.split(",") if a.sources else None, seed=a.seed, limit=a.max_prompts)
     t0 = time.perf_counter()
-    jobs, skipped = make_jobs(prompts, lambda t: engine.encode_prompt(t, chat=True), mix, a.max_prompt_tokens, a.seed)
+    jobs, skipped = make_jobs(prompts, lambda t: engine.encode_prompt(t, chat=True), mix, a.max_prompt_tokens, a.seed,
+                              a.samples_per_prompt)
     log(f"generate: {len(prompts)} prompts ({skipped} over {a.max_prompt_tokens} tokens skipped), "
         f"templated and encoded in {time.perf_counter() - t0:.1f}s")
+    n_dup = 0
+    if a.skip_greedy_in:
+        from mleagle.engine.spec.train_data import load_seqs
+
+        have = {tuple(s.ids[: s.n_prompt].tolist()) for d in a.skip_greedy_in.split(",") for s in load_seqs(d)
+                if s.temperature == 0}
+        kept = [j for j in jobs if not (j.temperature == 0 and tuple(j.ids) in have)]
+        n_dup, jobs = len(jobs) - len(kept), kept
+        log(f"generate: {n_dup} greedy jobs skipped (answered greedily in {a.skip_greedy_in})")
     settings = {"model": engine.model_name, "vocab_size": engine.arch.vocab_size, "dtype": a.dtype,
                 "max_new_tokens": a.max_new_tokens, "max_prompt_tokens": a.max_prompt_tokens,
                 "temperature_mix": [list(x) for x in mix], "seed": a.seed, "gsm8k_train": a.gsm8k_train,
                 "extra_prompts": [Path(x).name for x in a.extra_prompts], "sources": a.sources,
                 "max_prompts": a.max_prompts, "prompts": len(prompts), "prompts_sha": prompts_fingerprint(prompts),
                 "excluded": ["mt_bench.jsonl (all turns)", "gsm8k_test.jsonl"]}
+    if a.samples_per_prompt != 1:  # absent at 1, so folders made before the option still resume
+        settings["samples_per_prompt"] = a.samples_per_prompt
+    if a.skip_greedy_in:
+        settings["skip_greedy_in"] = [Path(x).name for x in a.skip_greedy_in.split(",")]
     run = generate_data(engine, jobs, Path(a.out) / "data", settings, max_new_tokens=a.max_new_tokens,
                         shard_seqs=a.shard_seqs, deadline=deadline, max_gen_tokens=a.max_gen_tokens, stop=stop)
     from mleagle.engine.spec.train_data import read_manifest
 
     man = read_manifest(Path(a.out) / "data") or {}
-    return {"run": run, "jobs": len(jobs), "skipped_long_prompts": skipped, "totals": man.get("totals"),
+    return {"run": run, "jobs": len(jobs), "skipped_long_prompts": skipped, "skipped_greedy_repeats": n_dup,
+            "totals": man.get("totals"),
             "settings": settings, "device": a.device, "batch": a.gen_batch}
 
 
@@ -258,9 +281,21 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     out = Path(a.out)
     seed_all(a.seed)
     t0 = time.perf_counter()
-    seqs = load_seqs(a.data or out / "data")
+    seqs = [s for d in (a.data.split(",") if a.data else [out / "data"]) for s in load_seqs(d)]
     train_s, held = split_holdout(seqs, a.holdout_seqs, a.seed)
-    vocab_ids, counts = pick_vocab(a, train_s, model.arch.vocab_size, eos)
+    start = None
+    if a.init_draft:
+        from mleagle.engine.spec.checkpoint import load_draft
+
+        start = load_draft(a.init_draft, model.arch)
+        if len(start.layers) != a.layers:
+            raise ValueError(f"--init-draft {a.init_draft} has {len(start.layers)} layers, --layers is {a.layers}")
+        vocab_ids = start.vocab_ids
+        counts = response_counts(train_s, model.arch.vocab_size) if vocab_ids is not None else None
+        log(f"train: starting from {a.init_draft} (its draft vocabulary: "
+            f"{'full' if vocab_ids is None else len(vocab_ids)})")
+    else:
+        vocab_ids, counts = pick_vocab(a, train_s, model.arch.vocab_size, eos)
     cov = None
     if vocab_ids is not None:
         cov = {"train": round(coverage(counts, vocab_ids), 5),
@@ -270,6 +305,11 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     log(f"train: {len(train_s)} sequences ({n_tok} tokens), {len(held)} held out")
     rms = hidden_rms(model, train_s) if a.init == "last" else 1.0
     stack = init_stack(model, a.layers, a.init, a.seed, rms, vocab_ids)
+    if start is not None:
+        from mleagle.engine.spec.checkpoint import load_layer
+
+        for m, w in zip(stack.layers, start.layers):
+            load_layer(m, {k: v.float() for k, v in w.items()})
     cfg = train_config(a)
     ckpt = Path(a.ckpt_dir) if a.ckpt_dir else out / "ckpt"
     log_file = out / "train_log.jsonl"
@@ -297,7 +337,8 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     summary = {"result": res, "config": {k: v for k, v in vars(cfg).items() if k != "log_every_s"},
                "hidden_rms": rms, "train_seqs": len(train_s), "train_tokens": n_tok, "heldout_seqs": len(held),
                "draft_vocab": None if vocab_ids is None else len(vocab_ids), "vocab_coverage": cov,
-               "heldout_before": before, "heldout_after": after, "resumed": resumed,
+               "heldout_before": before, "heldout_after": after, "resumed": resumed, "init_draft": a.init_draft,
+               "data": a.data,
                "autocast": a.dtype if a.dtype != "float32" else "bfloat16" if cfg.amp and a.device == "cuda" else None,
                "model_dtype": a.dtype,
                "draft_files": {f.name: f.stat().st_size for f in files}, "time_s": round(time.perf_counter() - t0, 2),

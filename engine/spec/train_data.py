@@ -129,18 +129,30 @@ class Job:
 
 
 def make_jobs(prompts: Sequence[Prompt], encode: Callable[[str], list[int]], mix: Sequence[tuple[float, float]],
-              max_prompt_tokens: int, seed: int = 0) -> tuple[list[Job], int]:
+              max_prompt_tokens: int, seed: int = 0, samples: int = 1) -> tuple[list[Job], int]:
     """Encode each prompt and give it a temperature from the mix; prompts over `max_prompt_tokens` are
-    skipped (returned count). The temperature of prompt i depends only on (seed, i)."""
+    skipped (returned count). The temperature of job idx depends only on (seed, idx).
+
+    `samples` > 1 answers each prompt that many times (job idx = s·len(prompts) + i). Samples after the
+    first draw only from the mix's temperatures above 0: a second greedy answer would repeat the first."""
+    if samples < 1:
+        raise ValueError(f"samples per prompt must be >= 1, not {samples}")
     temps, weights = [t for t, _ in mix], [w for _, w in mix]
+    hot = [(t, w) for t, w in mix if t > 0]
+    if samples > 1 and not hot:
+        raise ValueError("more than one sample per prompt needs a temperature above 0 in the mix")
     jobs, skipped = [], 0
     for i, p in enumerate(prompts):
-        t = random.Random(seed * 1_000_003 + i).choices(temps, weights)[0]
         ids = encode(p.text)
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        jobs.append(Job(i, ids, t, p.source))
+        for s in range(samples):
+            idx = s * len(prompts) + i
+            ts, ws = (temps, weights) if s == 0 else ([t for t, _ in hot], [w for _, w in hot])
+            t = random.Random(seed * 1_000_003 + idx).choices(ts, ws)[0]
+            jobs.append(Job(idx, ids, t, p.source))
+    jobs.sort(key=lambda j: j.idx)  # every prompt's first answer before any second one
     return jobs, skipped
 
 
@@ -216,13 +228,19 @@ def done_jobs(d: Path) -> set[int]:
 
 def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: dict[str, Any], *,
                   max_new_tokens: int, shard_seqs: int = 1024, deadline: float | None = None,
-                  max_gen_tokens: int | None = None, window: int | None = None, min_cut_tokens: int = 16,
+                  max_gen_tokens: int | None = None, window: int | None = None, wave: int | None = None,
+                  min_cut_tokens: int = 16,
                   stop: Callable[[int], bool] | None = None, log_every_s: float = 10.0) -> dict[str, Any]:
     """Run the jobs not already in `out`'s shards through the engine; write shards and the manifest.
 
     `settings` (model, dtype, mix, seeds, ...) must equal those of shards already there. Stops at
     `deadline` (time.perf_counter() value), once `max_gen_tokens` generated tokens exist in the folder,
     or when `stop(total tokens in the folder, prompts included)` says so (checked every second).
+
+    Requests go in by waves: up to `window` in flight (default the engine's max running requests), and
+    none added until `wave` of them (default a quarter of the window) have finished. Topping up one
+    request at a time would make nearly every step a prefill of one prompt (prefill goes first, and it
+    stops the overlapped decode), which halved generation throughput on the GPU; a wave is one prefill.
     """
     from mleagle.engine.contract.sampling_params import SamplingParams
 
@@ -248,8 +266,9 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
     gen_total = sum(s["gen_tokens"] for s in man["shards"])
     all_total = sum(s["tokens"] for s in man["shards"])
     last_stop_check = 0.0
-    window = window or 2 * engine.max_reqs
-    log(f"generate: {len(done)} sequences already in {d}, {len(pending)} jobs to run, window {window}")
+    window = window or engine.max_reqs
+    wave = max(1, min(window, wave or window // 4))
+    log(f"generate: {len(done)} sequences already in {d}, {len(pending)} jobs to run, window {window}, wave {wave}")
     t0 = last = time.perf_counter()
     inflight: dict[str, tuple[Job, list[int]]] = {}
     buf: list[Record] = []
@@ -279,7 +298,8 @@ def generate_data(engine: Any, jobs: Sequence[Job], out: str | Path, settings: d
                 if stop(all_total + new_tokens + new_prompt_tokens):
                     stop_reason = "enough data for the training time left"
                     break
-            while nxt < len(pending) and len(inflight) < window:
+            room = window - len(inflight) if len(inflight) <= window - wave else 0
+            for _ in range(min(room, len(pending) - nxt)):
                 j = pending[nxt]
                 nxt += 1
                 sp = SamplingParams(temperature=j.temperature, max_new_tokens=max_new_tokens,
