@@ -160,6 +160,30 @@ def test_default_draft_of_the_model(tmp_path: Path) -> None:
     assert type(Engine(cfg, draft="none").worker) is TargetWorker
 
 
+def test_default_draft_loads_only_on_its_devices(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`default_draft_devices` keeps the default draft off where it does not pay (and says so at start-up);
+    an explicit draft loads anywhere. The SmolLM2 config ships its draft for CUDA alone."""
+    from mleagle.engine.contract.config import REPO_ROOT, load_config, resolve_draft
+    from mleagle.engine.executor.worker import TargetWorker
+    from mleagle.engine.spec.worker import SpecWorker
+
+    d = tmp_path / "shipped"
+    save_draft(Engine(tiny_cfg(), draft="random:2:9").draft_stack, d, torch.bfloat16)
+    cfg = tiny_cfg()
+    cfg.model.default_draft = str(d)
+    cfg.model.default_draft_devices = ["cuda"]
+    assert resolve_draft(cfg, "cuda") == (str(d), True) and resolve_draft(cfg, "cpu") == ("none", True)
+    with caplog.at_level("INFO", logger="mleagle.engine"):
+        e = Engine(cfg, device="cpu")
+    assert type(e.worker) is TargetWorker and e.draft_is_default
+    assert f"default draft {d} not loaded on cpu (it pays on: cuda); --draft {d}" in caplog.text
+    assert isinstance(Engine(cfg, device="cpu", draft=str(d)).worker, SpecWorker)
+    smol = load_config("smollm2-135m")
+    shipped = REPO_ROOT / "drafts" / "smollm2-135m-mtp3"
+    assert resolve_draft(smol, "cuda") == (str(shipped), True) and resolve_draft(smol, "cpu") == ("none", True)
+    assert (shipped / "draft_config.json").is_file()
+
+
 def test_reduced_vocabulary_sampling_keeps_the_target_distribution() -> None:
     """Rejection sampling with a draft that proposes only half the vocabulary (q scattered back, zero
     elsewhere): the samples still follow the target's distribution (the chi-square check of

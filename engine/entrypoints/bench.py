@@ -370,7 +370,9 @@ def run(a: argparse.Namespace) -> int:
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
     target = None
-    report["draft"] = a.draft if a.draft is not None else cfg.model.default_draft  # as given (no machine path)
+    # as given (no machine path); the model's default only where it loaded (default_draft_devices)
+    report["draft"] = a.draft if a.draft is not None else (
+        cfg.model.default_draft if engine.cfg.engine.draft not in ("", "none") else "none")
     if engine.cfg.engine.draft not in ("", "none") and tp == 1:
         target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")}, draft="none")
     report["engine_load_s"] = round(engine.load_time_s, 3)

@@ -190,6 +190,7 @@ def engine_for(model: str, bs_max: int, n: int, prompts_len: int, **over: Any) -
     from mleagle.engine.core.engine import Engine
 
     total = bs_max * (prompts_len + n + 32) + 1024
+    over.setdefault("draft", "none")  # target-only unless asked: never the model's default draft
     return Engine(model, max_running_requests=bs_max, max_total_tokens=total, **over)
 
 
