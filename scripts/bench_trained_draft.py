@@ -64,6 +64,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    given = a.data
     a.data = a.data or str(data_dir() / "mt_bench.jsonl")
     texts = prompts(a.data, a.num_prompts)
     runs = [run("none", "stale", texts, a.batch_size, a.max_new_tokens),
@@ -79,9 +80,10 @@ def main() -> int:
     res = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "loadavg": os.getloadavg()},
-           "model": "smollm2-135m (SmolLM2-135M-Instruct GGUF, float32)", "data": f"{a.data} first turns, first {len(texts)}",
+           "model": "smollm2-135m (SmolLM2-135M-Instruct GGUF, float32)", "data": f"{Path(a.data).name} first turns, first {len(texts)}",
            "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens, "temperature": 0.0,
-           "command": "scripts/bench_trained_draft.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+           "command": "scripts/bench_trained_draft.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "data" or given),
            "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
