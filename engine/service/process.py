@@ -292,6 +292,11 @@ def _remove_orphaned_run_dir(run_dir: str, parent: int | None) -> None:
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # PDEATHSIG fires at each re-parenting: when a killed daemon's threads exit one by one, we are handed
+    # from thread to thread of its group and get one SIGTERM per step. Unwind once; a second SystemExit
+    # raised inside main's cleanup would skip the run dir's removal.
+    if _SIGTERM[0]:
+        return
     _SIGTERM[0] = True
     raise SystemExit(0)  # unwinds through main's finally (PDEATHSIG sends SIGTERM when the daemon dies)
 
