@@ -1,6 +1,6 @@
 """Record a real session of state events for the TUI tests: `tests/data/events_real.jsonl`.
 
-Starts `mleagle serve` (SmolLM2-135M on the CPU with `--draft random:2`), subscribes to `/v1/events`
+Starts `mleagle serve` (SmolLM2-135M on the CPU with its shipped 3-layer draft), subscribes to `/v1/events`
 with the TUI's own `LiveSource`, sends a handful of chat requests (a few at a time, with logprobs and
 top alternatives), waits until every pool is free again, and writes what the source received as a
 recording (the same format as `mleagle-tui --record`). Run from the repository root:
@@ -24,13 +24,14 @@ from mleagle.tui.source import LiveSource, Status
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.daemon_helpers import ServerProc
 
+DRAFT = "drafts/smollm2-135m-mtp3"  # the trained draft: the acceptance panel shows real acceptance
 PROMPTS = ["Name three colors.", "What is 2+2?", "Write a haiku about the sea.", "Say hello in French.",
            "List two planets.", "What is the capital of Italy?"]
 
 
 class Rec:
     def __init__(self, path: Path, url: str) -> None:
-        self.w = RecordingWriter(path, source=url, meta={"model": "smollm2-135m", "draft": "random:2",
+        self.w = RecordingWriter(path, source=url, meta={"model": "smollm2-135m", "draft": DRAFT,
                                                         "device": "cpu", "script": "scripts/record_events_real.py"})
         self.m = Dashboard()
 
@@ -67,7 +68,7 @@ async def until(task: asyncio.Task[None], cond: Callable[[], bool], timeout: flo
 
 async def main(out: Path) -> None:
     # --events-include-text: the recording shows each request's tokens and logprobs in the drill-down
-    srv = ServerProc("--config", "smollm2-135m", "--draft", "random:2", "--max-total-tokens", "4096",
+    srv = ServerProc("--config", "smollm2-135m", "--draft", DRAFT, "--max-total-tokens", "4096",
                      "--max-running-requests", "4", "--events-include-text")
     try:
         srv.wait_healthy(120)

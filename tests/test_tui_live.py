@@ -1,5 +1,5 @@
 """mleagle-tui on real data: SVG snapshots of every panel on a recording of a real session (SmolLM2 on
-the CPU with `--draft random:2`, made by scripts/record_events_real.py), and the app headless against
+the CPU with its shipped 3-layer draft, made by scripts/record_events_real.py), and the app headless against
 a live `mleagle serve` (tiny-dummy, `--draft random:2`): it shows the batches, pools and acceptance of
 a request it did not send itself, and reconnects when the daemon is killed and started again on the
 same port.
@@ -23,8 +23,9 @@ from tests.daemon_helpers import ServerProc
 from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
 
 REAL = Path(__file__).parent / "data" / "events_real.jsonl"
-STOP = 385  # mid second wave: three requests decoding, three finished, acceptance and pools populated
-RUNNERS = {"target", "draft0", "draft1"}
+STOP = 300  # mid second wave: three requests decoding, three finished, acceptance and pools populated
+REC_RUNNERS = {"target", "draft0", "draft1", "draft2"}  # the recording: SmolLM2's 3-layer draft
+RUNNERS = {"target", "draft0", "draft1"}  # the live daemon: tiny-dummy with random:2
 
 
 async def until_live(pilot: Pilot, cond: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -37,15 +38,17 @@ async def until_live(pilot: Pilot, cond: Callable[[], bool], timeout: float = 20
 
 def test_real_recording_is_consistent() -> None:
     rec = read_recording(REAL, strict=True)
-    assert rec.header.meta["model"] == "smollm2-135m" and rec.header.meta["draft"] == "random:2"
+    assert rec.header.meta["model"] == "smollm2-135m" and rec.header.meta["draft"] == "drafts/smollm2-135m-mtp3"
     m = Dashboard()
     for e in rec.events:
         m.apply(e)
     assert rec.events[0].type == "snapshot" and m.malformed == 0 and m.seq_gaps == 0
     assert m.lpm_count > 0 and m.lpm_mismatch == 0
     assert {mode for (_, mode) in m.lpm_by} >= {"EXTEND", "TARGET_VERIFY", "DRAFT_EXTEND"}
-    assert m.S == 2 and m.acc_per_depth[1] <= m.acc_per_depth[0] <= m.proposed_per_depth[0]
-    assert set(m.tracker.pools) == RUNNERS
+    assert m.S == 3 and m.acc_per_depth[2] <= m.acc_per_depth[1] <= m.acc_per_depth[0] <= m.proposed_per_depth[0]
+    # a trained draft: a real share of its first drafts is accepted (a random draft's is about 0)
+    assert m.acc_per_depth[0] > 0.3 * m.proposed_per_depth[0]
+    assert set(m.tracker.pools) == REC_RUNNERS
     assert all(p.kv_used == 0 and p.req_used == 0 for p in m.tracker.pools.values())
     done = [r for r in m.requests.values() if r.state == "finished"]
     assert len(done) == 6 and all(len(r.tokens) == r.output_tokens > 0 for r in done)
