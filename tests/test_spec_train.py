@@ -239,6 +239,9 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     # Bad settings fail before anything runs; a failure later still hands back the data and the draft
     # (and says why it stopped) ...
     assert cli.main([*args, "--depth-weights", "1"]) == 2 and not out.exists()
+    for bad in (["--samples-per-prompt", "0"], ["--skip-greedy-in", str(tmp_path / "nothing.npz")],
+                ["--data", str(tmp_path / "no-data")], ["--init-draft", str(tmp_path / "no-draft")]):
+        assert cli.main([*args, *bad]) == 2 and not out.exists(), bad
     assert cli.main([*args, "--eval-datasets", "no_such_set"]) == 2
     s = json.loads((exp / "summary.json").read_text())
     assert "no_such_set" in s["error"] and (exp / "data.npz").is_file() and (exp / "draft" / "draft_config.json").is_file()

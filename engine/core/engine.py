@@ -142,11 +142,11 @@ class Engine:
         if engine_overrides:  # validated like a config file's [engine] table
             engine = EngineConfig.model_validate({**cfg.engine.model_dump(), **engine_overrides})
             cfg = cfg.model_copy(update={"engine": engine})
-        draft, self.draft_is_default = resolve_draft(cfg, cfg.engine.resolved_device())
+        dev = cfg.engine.resolved_device()
+        draft, self.draft_is_default = resolve_draft(cfg, dev)
         if self.draft_is_default and draft == "none" and cfg.model.default_draft not in ("", "none"):
             log.info("default draft %s not loaded on %s (it pays on: %s); --draft %s loads it here",
-                     cfg.model.default_draft, cfg.engine.resolved_device(),
-                     ", ".join(cfg.model.default_draft_devices), cfg.model.default_draft)
+                     cfg.model.default_draft, dev, ", ".join(cfg.model.default_draft_devices), cfg.model.default_draft)
         if self.draft_is_default and draft not in ("", "none") and not draft.startswith("random:") \
                 and not Path(draft).is_dir():
             raise EngineInputError(f"the default draft of {cfg.model.name} ({cfg.model.default_draft}) is not at {draft}: "
@@ -155,7 +155,6 @@ class Engine:
         e = cfg.engine
         if e.device == "cuda" and not torch.cuda.is_available():
             raise EngineInputError("device 'cuda' requested but CUDA is not available")
-        dev = e.resolved_device()
         e = e.model_copy(update={"device": dev, "dtype": e.resolved_dtype(dev)})
         cfg = cfg.model_copy(update={"engine": e})
         self.cfg = cfg

@@ -158,6 +158,20 @@ def resolve_device(a: argparse.Namespace) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
+def check_paths(a: argparse.Namespace) -> None:
+    """Inputs named on the command line exist, and the answer count is sane: before a phase runs, not
+    after minutes of generation."""
+    if getattr(a, "samples_per_prompt", 1) < 1:
+        raise ValueError(f"--samples-per-prompt must be >= 1, not {a.samples_per_prompt}")
+    for opt in ("data", "skip_greedy_in"):
+        for p in filter(None, (getattr(a, opt, None) or "").split(",")):
+            if not Path(p).exists():
+                raise FileNotFoundError(f"--{opt.replace('_', '-')} {p}: no such data folder or file")
+    init = getattr(a, "init_draft", None)
+    if init and not Path(init).is_dir():
+        raise FileNotFoundError(f"--init-draft {init}: no such draft folder")
+
+
 def hardware(device: str) -> str:
     import torch
 
@@ -543,6 +557,7 @@ def run(a: argparse.Namespace) -> int:
     resolve_device(a)
     if a.phase in ("train", "all"):
         train_config(a).weights()  # bad training settings fail now, not after generation
+    check_paths(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "mleagle train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
