@@ -100,6 +100,22 @@ class ServerProc:
             time.sleep(0.2)
         raise AssertionError(f"pools not free: {d}")
 
+    def wait_restart(self, down_timeout: float = 60.0, up_timeout: float = 90.0) -> list[dict[str, Any]]:
+        """Wait until `/health` answers 503 (the engine died) and then 200 again (restarted); returns the
+        503 bodies seen on the way. Fails if the daemon never reports the engine down."""
+        down: list[dict[str, Any]] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < down_timeout:
+            st, body = self.get("/health")
+            if st == 503:
+                down.append(body)
+            elif down:
+                break
+            time.sleep(0.05)
+        assert down, "the daemon never reported the engine down (no 503 from /health)"
+        self.wait_healthy(up_timeout)
+        return down
+
     def terminate(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -157,3 +173,30 @@ async def sse_events(content: Any) -> AsyncIterator[dict | None]:
             yield None
         elif line.startswith(b"data: "):
             yield json.loads(line[6:])
+
+
+async def gen_stream(s: Any, url: str, n: int, first: Any = None) -> dict[str, Any]:
+    """One streamed native `/generate` request (n tokens, greedy, ignore_eos) on aiohttp session `s`:
+    the token count, the final meta_info, any error event, whether [DONE] came, tokens after an error,
+    and the HTTP status. `first` (an asyncio.Event) is set once a token arrived."""
+    body = {"input_ids": [1, 2, 3, 4], "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    out: dict[str, Any] = {"tokens": 0, "meta": None, "error": None, "done": False, "after_error": 0}
+    async with s.post(url + "/generate", json=body) as r:
+        out["status"] = r.status
+        if r.status != 200:
+            out["error"] = (await r.json())["error"]
+            return out
+        async for ev in sse_events(r.content):
+            if ev is None:
+                out["done"] = True
+            elif "error" in ev:
+                out["error"] = ev["error"]
+            else:
+                out["after_error"] += out["error"] is not None
+                out["tokens"] += len(ev["token_ids"])
+                if first is not None and out["tokens"]:
+                    first.set()
+                if ev["finished"]:
+                    out["meta"] = ev["meta_info"]
+    return out

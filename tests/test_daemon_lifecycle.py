@@ -14,34 +14,10 @@ import time
 import aiohttp
 import pytest
 
-from tests.daemon_helpers import ServerProc, sse_events
+from tests.daemon_helpers import ServerProc, gen_stream
 
 TINY = ("--config", "tiny-dummy", "--threads", "1")  # one OMP thread: 10x faster on a busy 2-core box
 DRAIN_TOKENS = 1000  # tiny-dummy's context is 1024
-
-
-async def gen_stream(s: aiohttp.ClientSession, url: str, n: int, first: asyncio.Event | None = None) -> dict:
-    """A streamed native request; returns the token count, the final meta and any error event."""
-    body = {"input_ids": [1, 2, 3, 4], "stream": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    out: dict = {"tokens": 0, "meta": None, "error": None, "done": False}
-    async with s.post(url + "/generate", json=body) as r:
-        out["status"] = r.status
-        if r.status != 200:
-            out["error"] = (await r.json())["error"]
-            return out
-        async for ev in sse_events(r.content):
-            if ev is None:
-                out["done"] = True
-            elif "error" in ev:
-                out["error"] = ev["error"]
-            else:
-                out["tokens"] += len(ev["token_ids"])
-                if first is not None and out["tokens"]:
-                    first.set()
-                if ev["finished"]:
-                    out["meta"] = ev["meta_info"]
-    return out
 
 
 async def test_sigterm_drains_in_flight_then_exits_0():
@@ -93,18 +69,8 @@ async def test_engine_death_fails_requests_then_recovers():
             assert err["code"] == "engine_dead" and "engine" in err["message"]
         for x in res:
             assert x["error"] is not None and "engine" in x["error"]["message"] and x["done"], x
-        seen_down = False
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 60:
-            st, body = srv.get("/health")
-            if st == 503:
-                seen_down = True
-                assert body["status"] in ("dead", "starting")
-            elif seen_down:
-                break
-            time.sleep(0.05)
-        assert seen_down
-        srv.wait_healthy(60)
+        down = srv.wait_restart(60, 60)
+        assert all(body["status"] in ("dead", "starting") for body in down)
         d = srv.engine()
         assert d["restarts"] == 1 and d["pid"] != pid
         async with aiohttp.ClientSession() as s, s.ws_connect(srv.url + "/v1/events?types=batch") as ws:

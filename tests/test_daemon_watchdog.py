@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.daemon_helpers import ServerProc, sse_events
+from tests.daemon_helpers import ServerProc, gen_stream
 
 TINY = ("--config", "tiny-dummy", "--threads", "1")
 BUDGET = 2.0  # --engine-ping-timeout
@@ -46,28 +46,6 @@ def greedy(srv: ServerProc) -> list[int]:
     req = urllib.request.Request(srv.url + "/generate", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["token_ids"]
-
-
-async def gen_stream(s: aiohttp.ClientSession, url: str, n: int, first: asyncio.Event | None = None) -> dict:
-    body = {"input_ids": [1, 2, 3, 4], "stream": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    out: dict = {"tokens": 0, "error": None, "done": False, "after_error": 0}
-    async with s.post(url + "/generate", json=body) as r:
-        out["status"] = r.status
-        if r.status != 200:
-            out["error"] = (await r.json())["error"]
-            return out
-        async for ev in sse_events(r.content):
-            if ev is None:
-                out["done"] = True
-            elif "error" in ev:
-                out["error"] = ev["error"]
-            else:
-                out["after_error"] += out["error"] is not None
-                out["tokens"] += len(ev["token_ids"])
-                if first is not None and out["tokens"]:
-                    first.set()
-    return out
 
 
 def _slow_client(srv: ServerProc) -> socket.socket:

@@ -13,20 +13,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine, EngineInputError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two OpenMP threads on a shared 2-core box can be 10x slower than one; restore afterwards.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_all_free(e: Engine) -> None:

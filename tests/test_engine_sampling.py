@@ -64,12 +64,7 @@ def sample(logits: torch.Tensor, rows: list[RowInfo]) -> list[int]:
     return sampler.sample(x, sr)[0].tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def expected(logits: list[float], t: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:

@@ -27,14 +27,7 @@ from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.radix_cache import RadixCache
 from tests.spec_helpers import greedy, run, tiny_engine
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is many times faster than two on a loaded 2-core box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the tree on its own -------------------------------------------------------------------------------

@@ -17,14 +17,7 @@ from mleagle.engine.spec import train_data as D
 from mleagle.engine.spec.checkpoint import save_draft
 from tests.spec_helpers import all_free, greedy, run, tiny_engine
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is many times faster than two on a loaded 2-core box (no OpenMP barrier spin).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _spy(engine) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
