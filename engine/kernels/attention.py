@@ -46,6 +46,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rotate_store(src, dst, m, c, s, HALF: tl.constexpr):
+    """Rotary (rotate-half: halves at +0 and +HALF) of the values at `src`, stored at `dst` in its dtype."""
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=m)
+    tl.store(dst + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv, s_qkv, pos, cos, sin, s_cs, loc,
     q_out, s_qo_t, s_qo_h,
@@ -65,22 +74,11 @@ def _rope_store_kernel(
     row = qkv + t * s_qkv
 
     hq = tl.arange(0, BLOCK_HQ)
-    mq = (hq < HQ)[:, None] & im[None, :]
-    src = row + hq[:, None] * D + i[None, :]
-    x1 = tl.load(src, mask=mq, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mq, other=0.0).to(tl.float32)
-    dst = q_out + t * s_qo_t + hq[:, None] * s_qo_h + i[None, :]
-    tl.store(dst, (x1 * c - x2 * s).to(q_out.dtype.element_ty), mask=mq)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(q_out.dtype.element_ty), mask=mq)
-
+    _rotate_store(row + hq[:, None] * D + i[None, :], q_out + t * s_qo_t + hq[:, None] * s_qo_h + i[None, :],
+                  (hq < HQ)[:, None] & im[None, :], c, s, HALF)
     hk = tl.arange(0, BLOCK_HK)
-    mk = (hk < HK)[:, None] & im[None, :]
-    src = row + (HQ + hk)[:, None] * D + i[None, :]
-    x1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mk, other=0.0).to(tl.float32)
-    dst = k_cache + slot * s_kn + hk[:, None] * s_kh + i[None, :]
-    tl.store(dst, (x1 * c - x2 * s).to(k_cache.dtype.element_ty), mask=mk)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(k_cache.dtype.element_ty), mask=mk)
+    _rotate_store(row + (HQ + hk)[:, None] * D + i[None, :], k_cache + slot * s_kn + hk[:, None] * s_kh + i[None, :],
+                  (hk < HK)[:, None] & im[None, :], c, s, HALF)
 
     j = tl.arange(0, BLOCK_D)
     mv = (hk < HK)[:, None] & (j < D)[None, :]
