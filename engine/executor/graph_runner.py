@@ -55,6 +55,11 @@ def default_buckets(max_bs: int) -> list[int]:
     return sorted({x for x in b if x < max_bs} | {max_bs})
 
 
+def bucket_for(buckets: list[int], bs: int) -> int | None:
+    """The smallest captured batch size (ascending `buckets`) that holds `bs` requests, or None."""
+    return next((b for b in buckets if b >= bs), None)
+
+
 @dataclass
 class Capture:
     graph: torch.cuda.CUDAGraph | None
@@ -109,10 +114,7 @@ class GraphRunner:
 
     # --- shapes -------------------------------------------------------------------------------
     def bucket(self, bs: int) -> int | None:
-        for b in self.buckets:
-            if b >= bs:
-                return b
-        return None
+        return bucket_for(self.buckets, bs)
 
     def rows(self, bs: int) -> int:
         """Logit rows of a padded batch of `bs` requests, by the one rule."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mleagle.engine.executor.forward_batch import RowMeta
-from mleagle.engine.executor.graph_runner import MetaMismatch
+from mleagle.engine.executor.graph_runner import MetaMismatch, bucket_for
 
 
 @dataclass
@@ -61,10 +61,7 @@ class IterationGraph:
         self.stats = IterationGraphStats()
 
     def bucket(self, bs: int) -> int | None:
-        for b in self.buckets:
-            if b >= bs:
-                return b
-        return None
+        return bucket_for(self.buckets, bs)
 
     def _live(self, pbs: int) -> torch.Tensor:
         return self.ar[:pbs] < self.nreal
