@@ -86,7 +86,7 @@ class ModelSource(BaseModel):
     # path is relative to the package root, e.g. "drafts/smollm2-135m-mtp3"), random:S, or none.
     default_draft: str = "none"
     # The devices the default draft loads on: where it was measured to pay. A draft can cost more than it
-    # saves (SmolLM2's runs 1.1-1.5x faster than target-only on an H200, 0.7-0.85x on a CPU core);
+    # saves (SmolLM2's runs 1.1-1.5x faster than target-only on an H200, 0.67-0.85x on one CPU core);
     # elsewhere the engine runs target-only and says so at start-up. `--draft PATH` loads it anywhere.
     default_draft_devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu", "cuda"])
 

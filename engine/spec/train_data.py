@@ -137,9 +137,9 @@ def make_jobs(prompts: Sequence[Prompt], encode: Callable[[str], list[int]], mix
     first draw only from the mix's temperatures above 0: a second greedy answer would repeat the first."""
     if samples < 1:
         raise ValueError(f"samples per prompt must be >= 1, not {samples}")
-    temps, weights = [t for t, _ in mix], [w for _, w in mix]
-    hot = [(t, w) for t, w in mix if t > 0]
-    if samples > 1 and not hot:
+    first = [t for t, _ in mix], [w for _, w in mix]
+    hot = [t for t, _ in mix if t > 0], [w for t, w in mix if t > 0]
+    if samples > 1 and not hot[0]:
         raise ValueError("more than one sample per prompt needs a temperature above 0 in the mix")
     jobs, skipped = [], 0
     for i, p in enumerate(prompts):
@@ -149,7 +149,7 @@ def make_jobs(prompts: Sequence[Prompt], encode: Callable[[str], list[int]], mix
             continue
         for s in range(samples):
             idx = s * len(prompts) + i
-            ts, ws = (temps, weights) if s == 0 else ([t for t, _ in hot], [w for _, w in hot])
+            ts, ws = first if s == 0 else hot
             t = random.Random(seed * 1_000_003 + idx).choices(ts, ws)[0]
             jobs.append(Job(idx, ids, t, p.source))
     jobs.sort(key=lambda j: j.idx)  # every prompt's first answer before any second one
