@@ -83,7 +83,7 @@ def test_sharded_bf16_checkpoint_round_trips(tmp_path: Path) -> None:
     assert len(files) > 3
     files = save_draft(src.draft_stack, d, torch.bfloat16, max_shard_bytes=64 * 1024)
     cfg = json.loads((d / "draft_config.json").read_text())
-    assert cfg["version"] == 2 and cfg["dtype"] == "bfloat16" and cfg["files"] == [f.name for f in files]
+    assert cfg["version"] == 3 and cfg["dtype"] == "bfloat16" and cfg["files"] == [f.name for f in files]
     assert sorted(p.name for p in d.glob("*.safetensors")) == sorted(cfg["files"])  # the float32 shards are gone
     assert all(f.stat().st_size <= 64 * 1024 + 2048 for f in files)
     assert all(t.dtype == torch.bfloat16 for f in files for t in load_file(str(f)).values())

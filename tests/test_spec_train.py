@@ -15,6 +15,7 @@ import torch
 from mleagle.engine.spec import train as T
 from mleagle.engine.spec import train_data as D
 from mleagle.engine.spec.checkpoint import save_draft
+from mleagle.engine.spec.draft_model import DraftStack
 from tests.spec_helpers import all_free, greedy, run, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,19 +35,23 @@ def _spy(engine) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
     return seen
 
 
-@pytest.mark.parametrize("vocab", [None, "even"])
-def test_training_forward_equals_the_engine_draft_runners(tmp_path: Path, vocab: str | None) -> None:
+@pytest.mark.parametrize(("vocab", "blocks", "aux"), [(None, 1, ()), ("even", 1, ()), (None, 2, (0,))],
+                         ids=["full-vocab", "reduced-vocab", "two-blocks-fused"])
+def test_training_forward_equals_the_engine_draft_runners(tmp_path: Path, vocab: str | None, blocks: int,
+                                                          aux: tuple[int, ...]) -> None:
     """Teacher forcing in float32: layer k's hidden at every position and its logits at the last one, from
-    the training forward, equal what draft runner k computes in the engine's draft prefill."""
+    the training forward, equal what draft runner k computes in the engine's draft prefill (also with two
+    blocks per step and layer 0 reading fused target features)."""
     torch.manual_seed(0)
     e = tiny_engine()
     ids = torch.arange(0, 256, 2) if vocab else None
-    stack = T.init_stack(e.model, 3, "random", 3, vocab_ids=ids)
+    stack = T.init_stack(e.model, 3, "random", 3, vocab_ids=ids, blocks=blocks, aux_layers=aux)
     with torch.no_grad():
         for p in T.trainable(stack):
             p.add_(torch.randn_like(p) * 0.05)  # non-trivial norms and mixing
     save_draft(stack, tmp_path / "d", torch.float32)
     se = tiny_engine(str(tmp_path / "d"))
+    assert [r.binding.kv_pool.num_layers for r in se.worker.drafts] == [blocks] * 3
     seen = _spy(se)
     prompt = [5, 17, 33, 2, 99, 41, 7, 8, 100, 3, 250, 12]
     bonus = run(se, [prompt], greedy(1))[0][0]
@@ -61,6 +66,46 @@ def test_training_forward_equals_the_engine_draft_runners(tmp_path: Path, vocab:
         assert inp.tolist() == seq[k + 1 : k + 1 + n]  # layer k at p reads t_{p+k+1}
         torch.testing.assert_close(hs[k][0, :n], hid, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits[k][0, n - 1 : n], lg, rtol=1e-5, atol=1e-4)
+
+
+def test_grown_draft_starts_where_its_source_was_and_serves_exactly(tmp_path: Path) -> None:
+    """A draft grown by `train-draft --init-draft` (a second block per step, fused target features) computes
+    what its source computed until training moves the new parts (zero `aux_proj`, identity blocks); once
+    they move it still serves exactly, eager and through the (emulated) graph runners, whose draft-extend
+    buffer then holds the wider fused hidden of layer 0."""
+    from mleagle.engine.spec.checkpoint import load_draft, load_layer
+
+    e = tiny_engine()
+    small = T.init_stack(e.model, 3, "random", 7)
+    with torch.no_grad():
+        for p in T.trainable(small):
+            p.add_(torch.randn_like(p) * 0.05)
+    save_draft(small, tmp_path / "small", torch.float32)
+    big = T.init_stack(e.model, 3, "random", 8, blocks=2, aux_layers=(0,))
+    for m, w in zip(big.layers, load_draft(tmp_path / "small", e.model.arch).layers):
+        load_layer(m, w, grow=True)
+    save_draft(big, tmp_path / "big", torch.float32)
+    seq = torch.tensor([[5, 17, 33, 2, 99, 41, 7, 8, 100, 3, 250, 12]])
+    for a, b in zip(T.stack_logits(e.model, small, seq)[1], T.stack_logits(e.model, big, seq)[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # training moves the new parts
+        big.layers[0].aux_proj.weight.normal_(0, 0.05)
+        for m in big.layers:
+            m.blocks[1].self_attn.o_proj.weight.normal_(0, 0.05)
+            m.blocks[1].mlp.down_proj.weight.normal_(0, 0.05)
+    save_draft(big, tmp_path / "moved", torch.float32)
+    assert load_draft(tmp_path / "moved", e.model.arch).aux_layers == (0,)
+    prompts = [[random.Random(50 + i).randrange(1, 256) for _ in range(8)] for i in range(6)]
+    ref = run(tiny_engine(), prompts, greedy(24))
+    for over in ({}, {"graph_emulate": True}):
+        se = tiny_engine(str(tmp_path / "moved"), **over)
+        assert run(se, prompts, greedy(24)) == ref, over
+        assert se.model.aux_layers == (0,) and se.worker.stats.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="chain draft"):
+        DraftStack(e.model.arch, 2, False, torch.float32, e.model.embed_tokens, e.model.lm_head, e.model.rope,
+                     aux_layers=(0,))
+    with pytest.raises(ValueError, match="distinct target layers"):
+        T.init_stack(e.model, 1, "random", aux_layers=(1,))  # the last layer's stream is read anyway
 
 
 def test_distill_loss_gradient_matches_autograd() -> None:

@@ -310,7 +310,7 @@ class Engine:
                 continue
             mode = ForwardMode.DRAFT_EXTEND if r in spec else ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
             g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
-                            hidden_size=self.arch.hidden_size, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
+                            hidden_size=getattr(r.model, "hidden_in_size", self.arch.hidden_size), dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
                             emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
             try:
                 g.capture()

@@ -70,6 +70,10 @@ def _gen(p: argparse.ArgumentParser) -> None:
 def _train(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("train")
     g.add_argument("--layers", type=int, default=3)
+    g.add_argument("--blocks", type=int, default=1, help="decoder blocks per draft step (more depth per step)")
+    g.add_argument("--aux-layers", default="",
+                   help="comma list of target layers whose output streams draft layer 0 also reads (fused features, "
+                        "as EAGLE-3; e.g. 2,15 for a 30-layer target); default none")
     g.add_argument("--epochs", type=float, default=4.0, help="at most this many passes over the data")
     g.add_argument("--steps", type=int, default=None)
     g.add_argument("--lr", type=float, default=6e-4)
@@ -167,6 +171,10 @@ def check_paths(a: argparse.Namespace) -> None:
         for p in filter(None, (getattr(a, opt, None) or "").split(",")):
             if not Path(p).exists():
                 raise FileNotFoundError(f"--{opt.replace('_', '-')} {p}: no such data folder or file")
+    if getattr(a, "blocks", 1) < 1:
+        raise ValueError(f"--blocks must be >= 1, not {a.blocks}")
+    if hasattr(a, "aux_layers"):
+        aux_layers(a)
     init = getattr(a, "init_draft", None)
     if init and not Path(init).is_dir():
         raise FileNotFoundError(f"--init-draft {init}: no such draft folder")
@@ -274,11 +282,18 @@ def pick_vocab(a: argparse.Namespace, seqs: Any, vocab_size: int, eos: list[int]
     return select_vocab(counts, size, always=eos), counts
 
 
+def aux_layers(a: argparse.Namespace) -> list[int]:
+    try:
+        return [int(x) for x in a.aux_layers.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--aux-layers {a.aux_layers!r}: expected a comma list of target layer indices") from None
+
+
 def train_config(a: argparse.Namespace) -> Any:
     from mleagle.engine.spec.train import TrainConfig
 
     dw = [float(x) for x in a.depth_weights.split(",")] if a.depth_weights else []
-    return TrainConfig(layers=a.layers, epochs=a.epochs, steps=a.steps, lr=a.lr, warmup=a.warmup,
+    return TrainConfig(layers=a.layers, blocks=a.blocks, aux_layers=aux_layers(a), epochs=a.epochs, steps=a.steps, lr=a.lr, warmup=a.warmup,
                        weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
                        kl_weight=a.kl_weight, ce_weight=a.ce_weight, depth_weights=dw, prompt_weight=a.prompt_weight,
                        init=a.init, amp=not a.no_amp, chunk_rows=a.chunk_rows, seed=a.seed,
@@ -304,6 +319,10 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
         start = load_draft(a.init_draft, model.arch)
         if len(start.layers) != a.layers:
             raise ValueError(f"--init-draft {a.init_draft} has {len(start.layers)} layers, --layers is {a.layers}")
+        if start.blocks > a.blocks or (start.aux_layers and list(start.aux_layers) != aux_layers(a)):
+            raise ValueError(f"--init-draft {a.init_draft} has {start.blocks} block(s) per step and aux layers "
+                             f"{list(start.aux_layers)}; a run may add blocks and fused features, not drop them "
+                             f"(--blocks {a.blocks}, --aux-layers {aux_layers(a)})")
         vocab_ids = start.vocab_ids
         counts = response_counts(train_s, model.arch.vocab_size) if vocab_ids is not None else None
         log(f"train: starting from {a.init_draft} (its draft vocabulary: "
@@ -318,12 +337,12 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     n_tok = sum(len(s) for s in train_s)
     log(f"train: {len(train_s)} sequences ({n_tok} tokens), {len(held)} held out")
     rms = hidden_rms(model, train_s) if a.init == "last" else 1.0
-    stack = init_stack(model, a.layers, a.init, a.seed, rms, vocab_ids)
-    if start is not None:
+    stack = init_stack(model, a.layers, a.init, a.seed, rms, vocab_ids, a.blocks, aux_layers(a))
+    if start is not None:  # grown: what the start draft lacks starts neutral (`load_layer`)
         from mleagle.engine.spec.checkpoint import load_layer
 
         for m, w in zip(stack.layers, start.layers):
-            load_layer(m, {k: v.float() for k, v in w.items()})
+            load_layer(m, {k: v.float() for k, v in w.items()}, grow=True)
     cfg = train_config(a)
     ckpt = Path(a.ckpt_dir) if a.ckpt_dir else out / "ckpt"
     log_file = out / "train_log.jsonl"
@@ -506,9 +525,12 @@ def card(summary: dict[str, Any]) -> str:
     t = (g.get("totals") or {})
     st = g.get("settings") or {}
     lines = [f"# {summary.get('name', 'MTP draft')}", "",
-             f"A {c.get('layers', '?')}-layer chain MTP draft for `{summary.get('model')}`, trained by "
-             "`mleagle train-draft` on the target's own responses. mleagle format (`draft_config.json` + "
-             "bf16 safetensors shards); load with `--draft PATH`.", "",
+             f"A {c.get('layers', '?')}-layer chain MTP draft for `{summary.get('model')}`"
+             + (f" ({c['blocks']} decoder blocks per step)" if c.get("blocks", 1) > 1 else "")
+             + (f", layer 0 also reading the target's streams after layers {c['aux_layers']} (fused features)"
+                if c.get("aux_layers") else "")
+             + ", trained by `mleagle train-draft` on the target's own responses. mleagle format (`draft_config.json` "
+             "+ bf16 safetensors shards); load with `--draft PATH`.", "",
              "## Data", ""]
     if g:
         lines += [f"- prompts: `prompts.jsonl` of the shared data folder (dedupe, MT-Bench and GSM8K test turns "

@@ -62,9 +62,12 @@ class Timer:
             self.marks.append(time.perf_counter())
 
     def spans(self) -> list[float]:
-        """Seconds between consecutive marks."""
+        """Seconds between consecutive marks. On CUDA this waits for the last mark (a no-op once a later
+        sync covered it): an event the device has not reached yet has no time to read."""
         m = self.marks
         if self.cuda:
+            if m:
+                m[-1].synchronize()
             return [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(len(m) - 1)]
         return [m[i + 1] - m[i] for i in range(len(m) - 1)]
 

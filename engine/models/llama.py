@@ -7,7 +7,8 @@ embedding and a tied or untied head. The decoder carries the residual stream bes
 fused QKV output and does rotary, the KV store and attention itself. On CUDA a decode layer is then
 nine launches: two add-RMSNorms, four GEMMs, attention (with rotary and the store), SiLU-and-mul.
 `forward` returns the last layer's hidden states before the final norm (the residual stream after the
-last layer: what draft layers consume); `logits` applies the final norm and the head to the rows the
+last layer: what draft layers consume), followed, when a draft reads fused features (`aux_layers`), by
+the streams after those layers ([T, H·(1+A)]); `logits` applies the final norm and the head to the rows the
 batch asks for (`compute_logits` to given rows). Weights load from HF-named tensors.
 
 Tensor parallelism (`tp`, `layout`): heads, MLP columns, the embedding and the head are sharded. In
@@ -119,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype,
                                       tied=self.embed_tokens if a.tie_word_embeddings else None, tp=self.tp)
+        # Layers whose output streams `forward` appends to the last one (set by a draft that reads them).
+        self.aux_layers: tuple[int, ...] = ()
 
     @property
     def num_kv_layers(self) -> int:
@@ -138,17 +141,26 @@ class LlamaForCausalLM(nn.Module):
         else:
             h = self.embed_tokens(batch.input_ids)
         res = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
             h, res = layer(batch.positions, h, res, batch, c)
+            if i in self.aux_layers:
+                aux.append(h + res)
         s = h + res
+        if aux:
+            s = torch.cat([s, *aux], dim=-1)
         return c.gather_tokens(s) if c.scattered else s
 
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's logit rows from `forward`'s hidden states (every row on every rank)."""
-        return self.lm_head.logits(hidden, batch.logit_rows, self.norm, self.comm(batch))
+        return self.lm_head.logits(self._last(hidden), batch.logit_rows, self.norm, self.comm(batch))
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.norm(self._last(h)))
+
+    def _last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's stream of `forward`'s output (the first H columns when aux streams follow)."""
+        return hidden[..., : self.arch.hidden_size] if self.aux_layers else hidden
 
     @torch.no_grad()
     def load_weights(self, w: dict[str, torch.Tensor]) -> None:

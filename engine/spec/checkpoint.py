@@ -1,12 +1,15 @@
 """Draft checkpoints: mleagle's own format (safetensors + draft_config.json), imports, random drafts.
 
-Own format: a folder with `draft_config.json` ({"format": "mleagle-mtp", "version": 2, "num_layers",
-"chain", "arch", "dtype", "files", "draft_vocab_size"}) and the weights in `files`: `draft.safetensors`,
-or `draft-00001-of-0000N.safetensors` shards of at most `max_shard_bytes` each (so a draft fits
-size limits on files, e.g. what one GPU run may hand back), holding `layers.{k}.{enorm,hnorm,eh_proj,
-norm}.weight`, `layers.{k}.block.<HF decoder-layer names>` and, for a reduced draft vocabulary,
+Own format: a folder with `draft_config.json` ({"format": "mleagle-mtp", "version": 3, "num_layers",
+"chain", "arch", "dtype", "files", "draft_vocab_size", "blocks_per_layer", "aux_layers"}) and the
+weights in `files`: `draft.safetensors`, or `draft-00001-of-0000N.safetensors` shards of at most
+`max_shard_bytes` each (so a draft fits size limits on files, e.g. what one GPU run may hand back),
+holding `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`, `layers.{k}.block.<HF decoder-layer names>`
+(`block1.`, `block2.`, ... for further blocks of a step), for fused target features
+`layers.0.aux_proj.weight` and `layers.0.anorm.{i}.weight`, and, for a reduced draft vocabulary,
 `vocab_ids` (the target ids the draft head covers, see `DraftHead`). Version 1 folders (one
-`draft.safetensors`, no `files`) load unchanged. Weights are stored in the dtype asked for (bfloat16
+`draft.safetensors`, no `files`) and version 2 (no `blocks_per_layer`, `aux_layers`: one block, no
+fused features) load unchanged. Weights are stored in the dtype asked for (bfloat16
 for shipped drafts) and cast to the engine's at load. Import maps the common MTP namings: MiMo-style
 `model.mtp.layers.{i}.*` and DeepSeek-style `model.layers.{N+i}.*` (with `shared_head.norm`).
 `random:S[:seed]` builds an S-layer chain draft with random weights for any target (tests, benchmarks).
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mleagle.engine.contract.config import MAX_SPEC_STEPS, ModelArch
+from mleagle.engine.models.llama import DecoderLayer
 from mleagle.engine.spec.draft_model import DraftStack, MTPLayer
 
 FORMAT = "mleagle-mtp"
@@ -47,25 +51,39 @@ def parse_spec(spec: str) -> tuple[str, int | None, int, bool]:
     return "path", None, 0, True
 
 
-def layer_state(stack: DraftStack, k: int) -> dict[str, torch.Tensor]:
-    m: MTPLayer = stack.layers[k]
-    b = m.block
+def block_prefix(i: int) -> str:
+    """Checkpoint prefix of a draft step's block i: `block` for the first (the format's original name)."""
+    return "block" if i == 0 else f"block{i}"
+
+
+def block_state(b: DecoderLayer, p: str) -> dict[str, torch.Tensor]:
+    """One decoder block's weights under HF names (q/k/v and gate/up unfused), prefixed `p.`."""
     hq, hk, d = b.self_attn.hq, b.self_attn.hk, b.self_attn.d
     q, kk, v = b.self_attn.qkv_proj.weight.split([hq * d, hk * d, hk * d])
     g, u = b.mlp.gate_up_proj.weight.chunk(2)
     st: dict[str, torch.Tensor] = {}
     if b.self_attn.qkv_proj.bias is not None:  # Qwen2-style q/k/v biases: part of the layer, saved with it
         qb, kb, vb = b.self_attn.qkv_proj.bias.split([hq * d, hk * d, hk * d])
-        st = {"block.self_attn.q_proj.bias": qb, "block.self_attn.k_proj.bias": kb, "block.self_attn.v_proj.bias": vb}
+        st = {f"{p}.self_attn.q_proj.bias": qb, f"{p}.self_attn.k_proj.bias": kb, f"{p}.self_attn.v_proj.bias": vb}
     return st | {
-        "enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj.weight,
-        "norm.weight": m.norm.weight,
-        "block.input_layernorm.weight": b.input_layernorm.weight,
-        "block.post_attention_layernorm.weight": b.post_attention_layernorm.weight,
-        "block.self_attn.q_proj.weight": q, "block.self_attn.k_proj.weight": kk, "block.self_attn.v_proj.weight": v,
-        "block.self_attn.o_proj.weight": b.self_attn.o_proj.weight,
-        "block.mlp.gate_proj.weight": g, "block.mlp.up_proj.weight": u, "block.mlp.down_proj.weight": b.mlp.down_proj.weight,
+        f"{p}.input_layernorm.weight": b.input_layernorm.weight,
+        f"{p}.post_attention_layernorm.weight": b.post_attention_layernorm.weight,
+        f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": kk, f"{p}.self_attn.v_proj.weight": v,
+        f"{p}.self_attn.o_proj.weight": b.self_attn.o_proj.weight,
+        f"{p}.mlp.gate_proj.weight": g, f"{p}.mlp.up_proj.weight": u, f"{p}.mlp.down_proj.weight": b.mlp.down_proj.weight,
     }
+
+
+def layer_state(stack: DraftStack, k: int) -> dict[str, torch.Tensor]:
+    m: MTPLayer = stack.layers[k]
+    st = {"enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj.weight,
+          "norm.weight": m.norm.weight}
+    if m.aux:
+        st["aux_proj.weight"] = m.aux_proj.weight
+        st |= {f"anorm.{i}.weight": n.weight for i, n in enumerate(m.anorm)}
+    for i, b in enumerate(m.blocks):
+        st |= block_state(b, block_prefix(i))
+    return st
 
 
 MAX_SHARD_BYTES = 15 * 2**20  # + the header stays under 16 MiB (what one GPU run may return per file)
@@ -104,22 +122,45 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
         tmp.chmod(0o644)  # safetensors writes 0600; a shipped draft is read by whoever serves it
         tmp.replace(p / name)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for n, t in tensors.items() if n != "vocab_ids"})
-    cfg = {"format": FORMAT, "version": 2, "num_layers": len(stack), "chain": stack.chain,
+    cfg = {"format": FORMAT, "version": 3, "num_layers": len(stack), "chain": stack.chain,
            "dtype": dtypes[0] if len(dtypes) == 1 else dtypes, "files": names,
            "draft_vocab_size": None if stack.vocab_ids is None else int(stack.vocab_ids.numel()),
+           "blocks_per_layer": stack.blocks, "aux_layers": list(stack.aux_layers),
            "arch": stack.arch.model_dump(mode="json")}
     (p / "draft_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return [p / n for n in names]
 
 
-def load_layer(m: MTPLayer, w: dict[str, torch.Tensor]) -> None:
-    """Load one layer from names relative to the layer (`enorm.weight`, `block.self_attn...`)."""
+def load_layer(m: MTPLayer, w: dict[str, torch.Tensor], grow: bool = False) -> None:
+    """Load one layer from names relative to the layer (`enorm.weight`, `block.self_attn...`).
+
+    `grow`: `w` may come from a smaller layer (fewer blocks, no fused features); the parts it lacks are
+    set so that the layer computes exactly what the smaller one did: `aux_proj` zero, and each missing
+    block an identity (its output projections zero, the rest left as initialised), so training grows
+    the draft from where it was. Without `grow` every weight must be there."""
     with torch.no_grad():
         m.enorm.weight.copy_(w["enorm.weight"])
         m.hnorm.weight.copy_(w["hnorm.weight"])
         m.eh_proj.weight.copy_(w["eh_proj.weight"])
         m.norm.weight.copy_(w["norm.weight"])
-        m.block.load(w, "block")
+        if m.aux:
+            if "aux_proj.weight" in w:
+                m.aux_proj.weight.copy_(w["aux_proj.weight"])
+                for i, n in enumerate(m.anorm):
+                    n.weight.copy_(w[f"anorm.{i}.weight"])
+            elif grow:
+                m.aux_proj.weight.zero_()
+            else:
+                raise KeyError("aux_proj.weight")
+        for i, b in enumerate(m.blocks):
+            p = block_prefix(i)
+            if f"{p}.input_layernorm.weight" in w:
+                b.load(w, p)
+            elif grow:
+                b.self_attn.o_proj.weight.zero_()
+                b.mlp.down_proj.weight.zero_()
+            else:
+                raise KeyError(f"{p}.input_layernorm.weight")
 
 
 @dataclass
@@ -128,6 +169,8 @@ class DraftCheckpoint:
     chain: bool
     layers: list[dict[str, torch.Tensor]]  # per layer, names relative to the layer
     vocab_ids: torch.Tensor | None = None  # reduced draft vocabulary (target ids), or None
+    blocks: int = 1  # decoder blocks per draft step
+    aux_layers: tuple[int, ...] = ()  # target layers whose streams layer 0 also reads
 
 
 def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
@@ -160,7 +203,14 @@ def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
     vocab = flat.get("vocab_ids")
     if vocab is not None and cfg.get("draft_vocab_size") not in (None, vocab.numel()):
         raise ValueError(f"draft {path}: vocab_ids has {vocab.numel()} ids, the config says {cfg['draft_vocab_size']}")
-    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab)
+    blocks, aux = int(cfg.get("blocks_per_layer", 1)), tuple(int(i) for i in cfg.get("aux_layers") or ())
+    for k, w in enumerate(layers):
+        want = [f"{block_prefix(i)}.input_layernorm.weight" for i in range(blocks)]
+        want += ["aux_proj.weight"] if k == 0 and aux else []
+        lack = [n for n in want if n not in w]
+        if lack:
+            raise ValueError(f"draft {path}: layer {k} lacks {lack} (blocks_per_layer={blocks}, aux_layers={list(aux)})")
+    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab, blocks, aux)
 
 
 def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:
@@ -206,7 +256,7 @@ def import_mtp(p: Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[s
     return target, bool(chain), layers
 
 
-def random_layer_weights(arch: ModelArch, seed: int, k: int) -> dict[str, torch.Tensor]:
+def random_layer_weights(arch: ModelArch, seed: int, k: int, blocks: int = 1, aux: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + k)
     h, i = arch.hidden_size, arch.intermediate_size
     assert arch.head_dim is not None
@@ -216,12 +266,18 @@ def random_layer_weights(arch: ModelArch, seed: int, k: int) -> dict[str, torch.
         return torch.randn(*shape, generator=g) * 0.02
 
     w = {"enorm.weight": torch.ones(h), "hnorm.weight": torch.ones(h), "eh_proj.weight": r(h, 2 * h),
-         "norm.weight": torch.ones(h), "block.input_layernorm.weight": torch.ones(h),
-         "block.post_attention_layernorm.weight": torch.ones(h),
-         "block.self_attn.q_proj.weight": r(hq, h), "block.self_attn.k_proj.weight": r(hk, h),
-         "block.self_attn.v_proj.weight": r(hk, h), "block.self_attn.o_proj.weight": r(h, hq),
-         "block.mlp.gate_proj.weight": r(i, h), "block.mlp.up_proj.weight": r(i, h), "block.mlp.down_proj.weight": r(h, i)}
-    if arch.attention_bias:
-        w.update({"block.self_attn.q_proj.bias": torch.zeros(hq), "block.self_attn.k_proj.bias": torch.zeros(hk),
-                  "block.self_attn.v_proj.bias": torch.zeros(hk)})
+         "norm.weight": torch.ones(h)}
+    for j in range(blocks):
+        p = block_prefix(j)
+        w |= {f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+              f"{p}.self_attn.q_proj.weight": r(hq, h), f"{p}.self_attn.k_proj.weight": r(hk, h),
+              f"{p}.self_attn.v_proj.weight": r(hk, h), f"{p}.self_attn.o_proj.weight": r(h, hq),
+              f"{p}.mlp.gate_proj.weight": r(i, h), f"{p}.mlp.up_proj.weight": r(i, h),
+              f"{p}.mlp.down_proj.weight": r(h, i)}
+        if arch.attention_bias:
+            w |= {f"{p}.self_attn.q_proj.bias": torch.zeros(hq), f"{p}.self_attn.k_proj.bias": torch.zeros(hk),
+                  f"{p}.self_attn.v_proj.bias": torch.zeros(hk)}
+    if aux:
+        w["aux_proj.weight"] = r(h, aux * h)
+        w |= {f"anorm.{j}.weight": torch.ones(h) for j in range(aux)}
     return w

@@ -1,10 +1,18 @@
 """The MTP draft stack: S layers, each a decoder block fed by the hidden state and the next token.
 
 Layer k at position p combines `hnorm(h_p)` and `enorm(embed(t_{p+k+1}))` through `eh_proj`, runs
-one decoder block against its own KV pool (its block is layer 0 of that pool), and predicts
-t_{p+k+2} through its own final norm and the draft head. In chain mode h is layer k-1's output (the
-target's hidden for layer 0); in non-chain mode every layer takes the target's hidden. Each layer
-is its own module so that each draft runner holds exactly one layer's weights.
+its decoder blocks (one by default; `blocks` > 1 gives a step more depth) against its own KV pool
+(block i is layer i of that pool), and predicts t_{p+k+2} through its own final norm and the draft
+head. In chain mode h is layer k-1's output (the target's hidden for layer 0); in non-chain mode every
+layer takes the target's hidden. Each layer is its own module so that each draft runner holds exactly
+one layer's weights.
+
+Fused target features (EAGLE-3's idea, `aux_layers`): the target's last hidden state is shaped for
+predicting the next token, and drops context the token after it needs. A chain draft may also read
+the residual streams after some earlier target layers: the target then returns [T, H·(1+A)] (its last
+stream, then the A others; `LlamaForCausalLM.aux_layers`), and layer 0 adds
+`aux_proj(anorm_i(aux_i) ...)` to its `eh_proj` input. `aux_proj` starts at zero in training, so a
+draft grown from one without these features starts exactly where that one was.
 
 The draft head is the target's LM head, or its rows for a reduced draft vocabulary (`vocab_ids`,
 the target ids the draft can propose, stored with the checkpoint): the head is most of a draft
@@ -120,26 +128,47 @@ class DraftHead(nn.Module):
 class MTPLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, embed: VocabParallelEmbedding, lm_head: ParallelLMHead,
                  rope: RotaryEmbedding, layout: str = "all_reduce", replicate: bool = False,
-                 head: DraftHead | None = None):
+                 head: DraftHead | None = None, blocks: int = 1, aux: int = 0):
         super().__init__()
+        if blocks < 1 or aux < 0:
+            raise ValueError(f"a draft layer needs blocks >= 1 and aux >= 0 (got {blocks}, {aux})")
         h = arch.hidden_size
+        self.hidden_size = h
         self.tp: TPGroup = embed.tp  # the group the shared embedding and head communicate over
         self.replicate = replicate
         self.layout = "all_reduce" if replicate else layout
         self.enorm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps, dtype)
-        # eh_proj is replicated on every tensor-parallel rank: it is small (2H×H) and its output feeds
-        # the block's column-parallel projections whole.
+        # eh_proj (and aux_proj) are replicated on every tensor-parallel rank: they are small (2H×H, A·H×H)
+        # and their output feeds the block's column-parallel projections whole.
         self.eh_proj = nn.Linear(2 * h, h, bias=False, dtype=dtype)
         self.eh_proj.weight.requires_grad_(False)
-        self.block = DecoderLayer(arch, 0, rope, dtype, LOCAL if replicate else self.tp)
+        self.aux = aux
+        if aux:
+            self.anorm = nn.ModuleList(RMSNorm(h, arch.rms_norm_eps, dtype) for _ in range(aux))
+            self.aux_proj = nn.Linear(aux * h, h, bias=False, dtype=dtype)
+            self.aux_proj.weight.requires_grad_(False)
+        tp = LOCAL if replicate else self.tp
+        self.blocks = nn.ModuleList(DecoderLayer(arch, i, rope, dtype, tp) for i in range(blocks))
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         # Shared with the target, held by reference (not registered), so weights exist once.
         self._shared = (embed, lm_head)
         # The draft head, shared by every layer of the stack (registered: it moves with .to()).
         self.head = head if head is not None else DraftHead(lm_head)
 
-    num_kv_layers = 1
+    @property
+    def block(self) -> DecoderLayer:
+        """The first (usually only) decoder block."""
+        return self.blocks[0]  # type: ignore[return-value]
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def hidden_in_size(self) -> int:
+        """Width of the input hidden states: H, or H·(1+A) for a layer fed fused target features."""
+        return self.hidden_size * (1 + self.aux)
 
     @property
     def tp_size(self) -> int:
@@ -157,10 +186,24 @@ class MTPLayer(nn.Module):
             e, hin = c.scatter_tokens(embed(batch.input_ids, reduce=False)), c.shard_tokens(batch.hidden_in)
         else:
             e, hin = embed(batch.input_ids), batch.hidden_in
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hin)], dim=-1))
-        h, res = self.block(batch.positions, x, None, batch, c)
-        s = h + res  # the block's output stream, before this layer's final norm
+        x = self.fuse(e, hin)
+        h, res = None, None
+        for b in self.blocks:
+            h, res = b(batch.positions, x if h is None else h, res, batch, c)
+        assert h is not None and res is not None
+        s = h + res  # the last block's output stream, before this layer's final norm
         return c.gather_tokens(s) if c.scattered else s
+
+    def fuse(self, e: torch.Tensor, hin: torch.Tensor) -> torch.Tensor:
+        """The first block's input from the token embedding rows `e` [T, H] and the input hidden [T, H·(1+A)]."""
+        h = self.hidden_size
+        if hin.shape[-1] != self.hidden_in_size:
+            raise ValueError(f"draft layer expects input hidden states of width {self.hidden_in_size}, got {hin.shape[-1]}")
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hin[..., :h])], dim=-1))
+        if self.aux:
+            a = [n(hin[..., h * (i + 1) : h * (i + 2)]) for i, n in enumerate(self.anorm)]
+            x = x + self.aux_proj(torch.cat(a, dim=-1))
+        return x
 
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[R, Vd] logits of the batch's logit rows (the runner's path; `compute_logits` for given rows)."""
@@ -174,12 +217,22 @@ class MTPLayer(nn.Module):
 class DraftStack(nn.Module):
     def __init__(self, arch: ModelArch, num_layers: int, chain: bool, dtype: torch.dtype,
                  embed: VocabParallelEmbedding, lm_head: ParallelLMHead, rope: RotaryEmbedding,
-                 layout: str = "all_reduce", replicate: bool = False, vocab_ids: torch.Tensor | None = None):
+                 layout: str = "all_reduce", replicate: bool = False, vocab_ids: torch.Tensor | None = None,
+                 blocks: int = 1, aux_layers: tuple[int, ...] = ()):
         super().__init__()
+        aux_layers = tuple(int(i) for i in aux_layers)
+        if aux_layers and not chain:
+            raise ValueError("fused target features (aux_layers) need a chain draft: only layer 0 reads the target")
+        bad = [i for i in aux_layers if not 0 <= i < arch.num_hidden_layers - 1]
+        if bad or len(set(aux_layers)) != len(aux_layers):
+            raise ValueError(f"aux_layers {list(aux_layers)} must be distinct target layers in "
+                             f"0..{arch.num_hidden_layers - 2} (the last layer's stream is always read)")
         self.arch, self.chain = arch, chain
+        self.blocks, self.aux_layers = blocks, aux_layers
         self.head = DraftHead(lm_head, vocab_ids)
-        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head, blocks,
+                                             len(aux_layers) if k == 0 else 0)
+                                    for k in range(num_layers))
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:

@@ -8,6 +8,8 @@ hidden of layer k-1 at p (the target's for k = 0; the draft's own output, not th
 gradients flowing through the chain), the token t_{p+k+1} through the shared embedding, and, by
 causal attention, its own layer's keys and values at positions <= p; it predicts t_{p+k+2} through
 its own final norm and the draft head (the target's head, or its rows for a reduced vocabulary).
+Layer 0 of a draft with fused features also reads the target's streams after `aux_layers`, and a step
+with several blocks runs them in order (`mtp_forward`).
 `tests/test_spec_train.py` checks that this forward's hidden states and logits equal the engine's
 draft runners' on the same sequence (float32), so training and serving cannot drift apart.
 
@@ -57,6 +59,8 @@ def log(msg: str) -> None:
 @dataclass
 class TrainConfig:
     layers: int = 3
+    blocks: int = 1  # decoder blocks per draft step
+    aux_layers: list[int] = field(default_factory=list)  # target layers whose streams layer 0 also reads
     epochs: float = 4.0  # at most this many passes over the training data
     steps: int | None = None  # at most this many optimizer steps (None: epochs decide)
     time_budget_s: float | None = None  # stop (and finish the LR schedule) after this much training time
@@ -145,20 +149,32 @@ def dense_block(b: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 @torch.no_grad()
-def target_hidden(model: LlamaForCausalLM, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """[B, T, H]: the target's last decoder layer output before the final norm (draft layer 0's input)."""
+def target_hidden(model: LlamaForCausalLM, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  aux_layers: Sequence[int] = ()) -> torch.Tensor:
+    """[B, T, H]: the target's last decoder layer output before the final norm (draft layer 0's input),
+    followed by the streams after `aux_layers` ([B, T, H·(1+A)], as the engine's target returns them)."""
     h = F.embedding(ids, model.embed_tokens.weight)
-    for layer in model.layers:
+    aux = []
+    for i, layer in enumerate(model.layers):
         h = dense_block(layer, h, cos, sin)
-    return h
+        if i in aux_layers:
+            aux.append(h)
+    return torch.cat([h, *aux], dim=-1) if aux else h
 
 
 def mtp_forward(m: MTPLayer, h: torch.Tensor, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Draft layer over [B, T]: h = the previous layer's (or the target's) hidden at p, ids = t_{p+k+1}."""
+    """Draft layer over [B, T]: h = the previous layer's (or the target's) hidden at p (with the fused
+    target streams for a layer that reads them), ids = t_{p+k+1}. `MTPLayer.fuse`, then every block."""
     embed = m._shared[0]
+    d = m.hidden_size
     e = rms(F.embedding(ids, embed.weight), m.enorm.weight, m.enorm.eps)
-    x = F.linear(torch.cat([e, rms(h, m.hnorm.weight, m.hnorm.eps)], dim=-1), m.eh_proj.weight)
-    return dense_block(m.block, x, cos, sin)
+    x = F.linear(torch.cat([e, rms(h[..., :d], m.hnorm.weight, m.hnorm.eps)], dim=-1), m.eh_proj.weight)
+    if m.aux:
+        a = [rms(h[..., d * (i + 1) : d * (i + 2)], n.weight, n.eps) for i, n in enumerate(m.anorm)]
+        x = x + F.linear(torch.cat(a, dim=-1), m.aux_proj.weight)
+    for b in m.blocks:
+        x = dense_block(b, x, cos, sin)
+    return x
 
 
 def shifted(ids: torch.Tensor, s: int) -> torch.Tensor:
@@ -174,7 +190,7 @@ def stack_logits(model: LlamaForCausalLM, stack: DraftStack, ids: torch.Tensor) 
     """Teacher-forced hidden states [B, T, H] and logits [B, T, Vd] of every draft layer over `ids`
     (layer k at p reads t_{p+k+1}); what the engine's draft runners compute on the same sequence."""
     cos, sin = rope_tables(model, ids.shape[1], ids.device)
-    h = target_hidden(model, ids, cos, sin)
+    h = target_hidden(model, ids, cos, sin, stack.aux_layers)
     hs, logits = [], []
     for k, m in enumerate(stack.layers):
         h = mtp_forward(m, h, shifted(ids, k + 1), cos, sin)
@@ -250,7 +266,7 @@ def distill_loss(hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: tor
 
 # --- the draft ---------------------------------------------------------------------------------------------
 def init_stack(model: LlamaForCausalLM, layers: int, init: str = "last", seed: int = 0, hidden_rms: float = 1.0,
-               vocab_ids: torch.Tensor | None = None) -> DraftStack:
+               vocab_ids: torch.Tensor | None = None, blocks: int = 1, aux_layers: Sequence[int] = ()) -> DraftStack:
     """A float32 chain stack on the target's device sharing its embedding, head and rope; trainable.
 
     "last": each block starts as the target's last decoder layer, the final norm as the target's,
@@ -263,17 +279,18 @@ def init_stack(model: LlamaForCausalLM, layers: int, init: str = "last", seed: i
     arch = model.arch
     dev = model.embed_tokens.weight.device
     stack = DraftStack(arch, layers, True, torch.float32, model.embed_tokens, model.lm_head, model.rope,
-                       vocab_ids=vocab_ids)
+                       vocab_ids=vocab_ids, blocks=blocks, aux_layers=tuple(aux_layers))
     layer_mods = list(stack.layers)
     stack.layers.to(dev)
     h = arch.hidden_size
     for k, m in enumerate(layer_mods):
-        load_layer(m, random_layer_weights(arch, seed, k))
+        load_layer(m, random_layer_weights(arch, seed, k, blocks, m.aux))
         if init == "last":
             with torch.no_grad():
                 src = dict(model.layers[-1].named_parameters())
-                for n, p in m.block.named_parameters():
-                    p.copy_(src[n].float())
+                for b in m.blocks:
+                    for n, p in b.named_parameters():
+                        p.copy_(src[n].float())
                 m.norm.weight.copy_(model.norm.weight.float())
                 m.hnorm.weight.fill_(hidden_rms)  # the residual stream keeps the target's scale
                 m.eh_proj.weight.zero_()
@@ -309,6 +326,9 @@ class Trainer:
                  ckpt_dir: str | Path | None = None, log_file: str | Path | None = None):
         if cfg.layers != len(stack):
             raise ValueError(f"config has {cfg.layers} layers, the stack {len(stack)}")
+        if cfg.blocks != stack.blocks or tuple(cfg.aux_layers) != stack.aux_layers:
+            raise ValueError(f"config has blocks={cfg.blocks}, aux_layers={cfg.aux_layers}; the stack "
+                             f"{stack.blocks}, {list(stack.aux_layers)}")
         self.model, self.stack, self.seqs, self.cfg = model, stack, list(seqs), cfg
         self.device = model.embed_tokens.weight.device
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
@@ -355,8 +375,9 @@ class Trainer:
         cos, sin = self.cos, self.sin
         w = head_weight(m, self.stack)
         with amp_ctx(m, cfg.amp):
-            ht = target_hidden(m, b.ids, cos, sin)
-            ht_n = rms(ht, m.norm.weight, m.norm.eps).flatten(0, 1)
+            ht = target_hidden(m, b.ids, cos, sin, self.stack.aux_layers)
+            d = m.arch.hidden_size
+            ht_n = rms(ht[..., :d], m.norm.weight, m.norm.eps).flatten(0, 1)
             top_all = None
             if self.stack.vocab_ids is not None:  # the target's own argmax, over its whole vocabulary
                 with torch.no_grad():
@@ -410,9 +431,10 @@ class Trainer:
         if st["num_seqs"] != len(self.seqs):
             raise ValueError(f"{f}: saved with {st['num_seqs']} training sequences, now {len(self.seqs)}: "
                              "the data changed; start afresh (without --resume) or restore the data")
-        for key in ("layers", "batch_tokens", "max_len", "seed"):
-            if st["cfg"][key] != getattr(self.cfg, key):
-                raise ValueError(f"{f}: saved with {key}={st['cfg'][key]}, now {getattr(self.cfg, key)}")
+        for key in ("layers", "blocks", "aux_layers", "batch_tokens", "max_len", "seed"):
+            saved = st["cfg"].get(key, getattr(TrainConfig(), key))  # states from before a key existed
+            if saved != getattr(self.cfg, key):
+                raise ValueError(f"{f}: saved with {key}={saved}, now {getattr(self.cfg, key)}")
         sv, cur = st["vocab_ids"], self.stack.vocab_ids
         if (sv is None) != (cur is None) or (sv is not None and not torch.equal(sv.cpu(), cur.cpu())):
             raise ValueError(f"{f}: saved with another draft vocabulary")
@@ -581,7 +603,8 @@ def train_throughput(model: LlamaForCausalLM, cfg: TrainConfig, draft_vocab: int
     ids = torch.randint(0, model.arch.vocab_size, (bs, t), generator=g)
     seqs = [Seq(ids[i].numpy(), t // 4) for i in range(bs)]
     vocab = torch.arange(draft_vocab) if draft_vocab and draft_vocab < model.arch.vocab_size else None
-    tr = Trainer(model, init_stack(model, cfg.layers, "random", cfg.seed, vocab_ids=vocab), seqs, cfg)
+    tr = Trainer(model, init_stack(model, cfg.layers, "random", cfg.seed, vocab_ids=vocab, blocks=cfg.blocks,
+                                   aux_layers=cfg.aux_layers), seqs, cfg)
     b = collate(seqs, t, dev)
     times = []
     for _ in range(steps):

@@ -87,6 +87,7 @@ class SpecWorker(TargetWorker):
         self.step_batches: list[ForwardBatch] = []  # the last iteration's per-step draft batches (tests)
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
         self._simulate = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self._prefill_timers: list[Timer] = []  # draft-prefill spans not read yet
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -132,7 +133,9 @@ class SpecWorker(TargetWorker):
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
             self._draft_prefill([reqs[i] for i in done], bonus)
             timer.mark()
-            self.stats.draft_time_s += sum(timer.spans())
+            # Read once a later iteration's sync has passed it (`on_finish`): reading now would wait for
+            # the draft prefill and stall the overlapped schedule.
+            self._prefill_timers.append(timer)
         return results
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
@@ -357,6 +360,9 @@ class SpecWorker(TargetWorker):
         rows = p.packed.tolist()
         accepted = [int(row[p.width]) - 1 for row in rows]
         spans = p.timer.spans()
+        for t in self._prefill_timers:  # recorded before this iteration's sync: complete now
+            self.stats.draft_time_s += sum(t.spans())
+        self._prefill_timers.clear()
         verify_s = spans[0] if spans else 0.0
         layer = spans[1:] if self.boundary_kv == "stale" else [sum(spans[1:]) / self.steps] * self.steps
         draft_s = sum(layer)
@@ -395,7 +401,7 @@ class SpecWorker(TargetWorker):
 
 def build_spec_worker(engine: object) -> SpecWorker:
     """Build the draft stack named by `engine.cfg.engine.draft` and one runner per step, each with its
-    own one-layer KV pool, request-to-token map and backend, registered with the memory manager."""
+    own KV pool (a layer per block of the step), request-to-token map and backend, registered with the memory manager."""
     from mleagle.engine.contract.config import MAX_SPEC_STEPS
     from mleagle.engine.core.engine import EngineInputError, build_runner
     from mleagle.engine.spec.checkpoint import load_draft, load_layer, parse_spec, random_layer_weights
@@ -408,7 +414,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
     except ValueError as err:
         raise EngineInputError(str(err)) from err
     arch = e.arch  # type: ignore[attr-defined]
-    vocab_ids = None
+    vocab_ids, blocks, aux_layers = None, 1, ()
     if kind == "random":
         layers = [random_layer_weights(arch, seed, k) for k in range(s or 0)]
         darch = arch
@@ -416,6 +422,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
         try:
             ck = load_draft(ecfg.draft, arch)
             darch, chain, layers, vocab_ids = ck.arch, ck.chain, ck.layers, ck.vocab_ids
+            blocks, aux_layers = ck.blocks, ck.aux_layers
         except (FileNotFoundError, ValueError) as err:
             raise EngineInputError(str(err)) from err
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:
@@ -436,16 +443,18 @@ def build_spec_worker(engine: object) -> SpecWorker:
                                    'set draft_tp = "replicate" (--draft-tp replicate) to run it whole on every rank')
     try:
         stack = DraftStack(darch, len(layers), chain, e.dtype, model.embed_tokens, model.lm_head, model.rope,  # type: ignore[attr-defined]
-                           layout=model.layout, replicate=replicate, vocab_ids=vocab_ids)
+                           layout=model.layout, replicate=replicate, vocab_ids=vocab_ids, blocks=blocks,
+                           aux_layers=aux_layers)
     except ValueError as err:
         raise EngineInputError(f"draft {ecfg.draft}: {err}") from err
     for m, w in zip(stack.layers, layers):
         load_layer(m, {k: v.to(e.dtype) for k, v in w.items()})  # type: ignore[attr-defined]
     stack.to(e.device).eval()  # type: ignore[attr-defined]
+    model.aux_layers = stack.aux_layers  # the target now also returns the streams layer 0 reads
     target = e.target  # type: ignore[attr-defined]
     runners = []
     for k in range(steps):
-        r = build_runner(f"draft{k}", stack.layers[k], 1, target.binding.kv_pool.num_slots, darch, ecfg,
+        r = build_runner(f"draft{k}", stack.layers[k], stack.layers[k].num_kv_layers, target.binding.kv_pool.num_slots, darch, ecfg,
                          e.max_reqs, target.binding.req_to_token.max_context, e.dtype)  # type: ignore[attr-defined]
         e.mem.add_map(r.binding.req_to_token)  # type: ignore[attr-defined]
         runners.append(r)
