@@ -3,8 +3,9 @@
 For every runner (target decode or verify, each draft-extend step) and every captured bucket, a live
 batch one short of the bucket (so one row is padding) is replayed and also run eagerly on the same
 inputs: the logits agree to float32 rounding and the argmax is identical. Through the whole engine,
-speculative greedy output with graphs equals target-only greedy output (float32), a seeded sampled
-request gives the same tokens alone and in a batch, and every pool is free afterwards.
+speculative greedy output with graphs equals target-only greedy output (float32; also with a draft
+reading fused target features through two blocks per step), a seeded sampled request gives the same
+tokens alone and in a batch, and every pool is free afterwards.
 """
 
 from __future__ import annotations
@@ -82,6 +83,31 @@ def test_speculative_greedy_with_graphs_equals_target_only(draft: str) -> None:
     t = _engine("none")
     assert run(t, PROMPTS, sps) == want
     assert all_free(t)
+
+
+def test_fused_two_block_draft_with_graphs_equals_target_only(tmp_path) -> None:
+    """A draft whose layer 0 reads fused target features (the target's output widens to [T, 2H]) and whose
+    steps run two blocks each: whole-iteration and per-forward graphs keep greedy output exact."""
+    from mleagle.engine.spec import train as T
+    from mleagle.engine.spec.checkpoint import save_draft
+
+    cpu = Engine(tiny_cfg(), draft="none")
+    stack = T.init_stack(cpu.model, 3, "random", 9, blocks=2, aux_layers=(0,))
+    with torch.no_grad():
+        for p in T.trainable(stack):
+            p.add_(torch.randn_like(p) * 0.05)
+    save_draft(stack, tmp_path / "fused", torch.float32)
+    ref = _engine("none", cuda_graph=False)
+    sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17), greedy(40), greedy(5), greedy(12), greedy(8), greedy(3)]
+    want = run(ref, PROMPTS, sps)
+    e = _engine(str(tmp_path / "fused"))
+    assert e.model.aux_layers == (0,) and e.worker.iter_graph is not None, e.graph_report
+    assert run(e, PROMPTS, sps) == want
+    assert sum(e.worker.iter_graph.stats.replays.values()) > 0
+    lp = [sp.model_copy(update={"logprobs": 1}) for sp in sps]
+    assert run(e, PROMPTS, lp) == want
+    assert all(sum(r.graphs.stats.replays.values()) > 0 for r in e.runners)
+    assert all_free(e)
 
 
 @pytest.mark.parametrize("draft", ["none", "random:2"])

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batches", type=int, default=1,
+                   help="static batches timed per batch size, each of the next bs prompts (wrapping round the "
+                        "dataset): more prompts, less noise from any one of them")
     p.add_argument("--configs", default="graphs,eager,spec,spec-eager,hf,hf-static",
                    help="graphs, eager, per-forward, spec, spec-eager, spec-per-forward, hf, hf-static, "
                         "backend:NAME (target-only, graphs)")
@@ -104,23 +107,30 @@ def gen_once(engine: Any, prompts: list[list[int]], n: int) -> tuple[float, list
     return time.perf_counter() - t0, [c.token_ids for c in out], out
 
 
-def time_engine(engine: Any, prompts: list[list[int]], n: int, label: str, simulated: bool) -> dict[str, Any]:
-    gen_once(engine, prompts, min(n, 16))  # warm-up at this batch size (Triton JIT, cuBLAS heuristics)
-    wall, toks, outs = gen_once(engine, prompts, n)
+def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str, simulated: bool) -> dict[str, Any]:
+    """Each batch through `Engine.generate` in turn (after a warm-up on the first); tok/s = all tokens over
+    the summed walls, accept length pooled over every verify."""
+    gen_once(engine, batches[0], min(n, 16))  # warm-up at this batch size (Triton JIT, cuBLAS heuristics)
+    wall, toks, outs = 0.0, [], []
+    for b in batches:
+        w, t, o = gen_once(engine, b, n)
+        wall, toks, outs = wall + w, toks + t, outs + list(o)
+    bs = len(batches[0])
     total = sum(len(t) for t in toks)
-    row: dict[str, Any] = {"config": label, "bs": len(prompts), "wall_s": round(wall, 4), "tokens": total,
+    row: dict[str, Any] = {"config": label, "bs": bs, "batches": len(batches), "wall_s": round(wall, 4), "tokens": total,
                            "tok_s": round(total / wall, 1), "simulated": simulated}
     specs = [o.spec for o in outs if o.spec is not None]
     if specs:
         nv = sum(s.num_verify for s in specs)
         acc = sum(s.num_accepted_tokens for s in specs)
-        iters = nv / len(prompts)
-        row["spec"] = {"accept_len": round((acc + nv) / max(nv, 1), 3), "iterations_per_request": round(iters, 1),
+        iters = nv / bs  # summed over the batches: iterations of one request slot
+        row["spec"] = {"accept_len": round((acc + nv) / max(nv, 1), 3),
+                       "iterations_per_request": round(iters / len(batches), 1),
                        "ms_per_iteration_wall": round(1000 * wall / max(iters, 1), 3),
-                       "verify_ms_per_iter": round(1000 * sum(s.verify_time_s for s in specs) / max(nv, 1) * len(prompts), 3),
-                       "draft_ms_per_iter": round(1000 * sum(s.draft_time_s for s in specs) / max(nv, 1) * len(prompts), 3)}
+                       "verify_ms_per_iter": round(1000 * sum(s.verify_time_s for s in specs) / max(nv, 1) * bs, 3),
+                       "draft_ms_per_iter": round(1000 * sum(s.draft_time_s for s in specs) / max(nv, 1) * bs, 3)}
     else:
-        row["ms_per_step_wall"] = round(1000 * wall / n, 3)
+        row["ms_per_step_wall"] = round(1000 * wall / (n * len(batches)), 3)
     row["_tokens"] = toks
     return row
 
@@ -203,20 +213,20 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     texts = read_first_turns(a.dataset, data_dir(a.data_dir))
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     res: dict[str, Any] = {"machine": machine(), "model": a.model, "dataset": a.dataset, "max_new_tokens": a.max_new_tokens,
-                           "batch_sizes": bss, "greedy": True, "ignore_eos": True, "draft": a.draft,
+                           "batch_sizes": bss, "batches": a.batches, "greedy": True, "ignore_eos": True, "draft": a.draft,
                            "simulate_accept_len": a.simulate_accept_len, "rows": [], "started": time.time()}
     base = engine_for(a.model, max(bss), a.max_new_tokens, 512)
     res["dtype"] = base.cfg.engine.dtype
     res["graph_report"] = base.graph_report
     res["attention_backend"] = base.target.binding.backend.name
     if base.tokenizer is not None:
-        prompts = [base.encode_prompt(t, chat=True) for t in texts[: max(bss)]]
+        prompts = [base.encode_prompt(t, chat=True) for t in texts[: max(bss) * a.batches]]
     else:  # a dummy-weight shape without a tokenizer: random ids, about as long as the chat prompts would be
         import random
 
         rnd = random.Random(0)
         v = base.arch.vocab_size
-        prompts = [[rnd.randrange(v) for _ in range(len(t) // 4 + 30)] for t in texts[: max(bss)]]
+        prompts = [[rnd.randrange(v) for _ in range(len(t) // 4 + 30)] for t in texts[: max(bss) * a.batches]]
         res["prompts"] = "random token ids (no tokenizer), len(text)//4 + 30 each"
     plen = max(len(p) for p in prompts)
     ref_tokens: dict[int, list[list[int]]] = {}
@@ -235,14 +245,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if row["config"] == "target graphs":
             ref_tokens[row["bs"]] = toks
         elif row["bs"] in ref_tokens and not row.get("simulated"):
-            row["equal_to_target_graphs"] = toks == ref_tokens[row["bs"]]
+            row["equal_to_target_graphs"] = toks == ref_tokens[row["bs"]][: len(toks)]  # HF rows: the first batch
         res["rows"].append(row)
         save()
         log(row)
 
+    def batches(bs: int) -> list[list[list[int]]]:
+        return [[prompts[(i * bs + j) % len(prompts)] for j in range(bs)] for i in range(a.batches)]
+
     def sweep(engine: Any, label: str, simulated: bool = False) -> None:
         for bs in bss:
-            add(time_engine(engine, prompts[:bs], a.max_new_tokens, label, simulated))
+            add(time_engine(engine, batches(bs), a.max_new_tokens, label, simulated))
 
     print(f"mleagle bench gpu: {a.model} {res['dtype']} on {res['machine'].get('gpu', 'cpu')}; {base.graph_report}", flush=True)
     if "graphs" in configs:
