@@ -3,8 +3,8 @@
 The rank-side checks live in `tests/tp_spmd.py` (one run of two processes, joined like torchrun joins
 them, serves every test here; see its docstring). Asserted here: logits of every forward (prefill with
 prompt logprobs, decode, verify, each draft-extend step) equal TP=1's to 1e-5 relative in both layouts,
-also with one KV head replicated over the ranks, with replicated draft layers and with a reduced draft
-vocabulary, and the ranks hold bit-identical logits (what their identical sampling rests on); greedy
+also with one KV head replicated over the ranks, with replicated draft layers, with a reduced draft
+vocabulary and with a draft reading fused target features through two blocks per step, and the ranks hold bit-identical logits (what their identical sampling rests on); greedy
 speculative output equals TP=1 target-only output eagerly and through (emulated) whole-iteration and
 per-forward graphs, also with overlap scheduling, with every pool of every rank free afterwards; the seeds' regression; and start-up validation that names what does not divide.
 """
@@ -96,7 +96,7 @@ def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:
 
 def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["exact"], ranks[1]["exact"]
-    assert len(r0) == 16
+    assert len(r0) == 18
     for key, r in r0.items():
         assert r["equal"], key
         assert r["free"] and r1[key]["free"], key

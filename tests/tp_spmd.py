@@ -8,7 +8,8 @@ through the engine's control channel (`engine/service/ranks.py`), exactly as in 
 
 Checks (one result key each): the logits of every forward of a speculative run (prefill, verify and
 every draft-extend step, target and draft runners) equal TP=1's in both layouts, with a replicated KV
-head, with replicated draft layers and with a reduced draft vocabulary; greedy speculative output equals
+head, with replicated draft layers, with a reduced draft vocabulary and with a draft reading fused
+target features through two blocks per step; greedy speculative output equals
 TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), with
 overlap scheduling forced on too, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
 regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
@@ -95,7 +96,18 @@ def digest(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().numpy().tobytes())
 
 
-def check_logits(rank: int, res: dict[str, Any]) -> None:
+def fused_draft(outdir: str, rank: int) -> str:
+    """A 2-layer draft whose layer 0 reads fused target features (the stream after target layer 0) through
+    two blocks per step, random weights from fixed seeds: the same folder contents on every rank."""
+    from mleagle.engine.spec import train as T
+    from mleagle.engine.spec.checkpoint import save_draft
+
+    path = os.path.join(outdir, f"random_fused{rank}")
+    save_draft(T.init_stack(engine("none").model, 2, "random", 11, blocks=2, aux_layers=(0,)), path, torch.float32)
+    return path
+
+
+def check_logits(rank: int, res: dict[str, Any], fused: str) -> None:
     """Every forward of one speculative run: TP=2 logits vs TP=1 (rank 0), and identical on every rank."""
     sps = [greedy(n) for n in LENS]
     # One request asks for prompt logprobs: an EXTEND whose logit rows are every prompt token.
@@ -106,8 +118,9 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
         # vocab 255: shards of 128 rows, the last one with a padding row the head must cut off.
         for draft, kv, draft_tp, vocab, dv in (("random:2", 2, "shard", 256, None), ("random:2", 1, "shard", 255, None),
                                                ("random:2", 2, "replicate", 256, None), ("none", 1, "shard", 256, None),
-                                               ("random:2", 2, "shard", 256, sub)):
-            key = f"{layout}/{draft}/kv{kv}/v{vocab}{'' if dv is None else f'/dv{dv.numel()}'}/{draft_tp}"
+                                               ("random:2", 2, "shard", 256, sub), (fused, 2, "shard", 256, None)):
+            name = "random_fused" if draft == fused else draft
+            key = f"{layout}/{name}/kv{kv}/v{vocab}{'' if dv is None else f'/dv{dv.numel()}'}/{draft_tp}"
             e = engine(draft, kv=kv, vocab=vocab, tp_size=2, tp_layout=layout, draft_tp=draft_tp)
             if dv is not None:
                 e.draft_stack.set_vocab(dv)
@@ -133,7 +146,7 @@ def check_logits(rank: int, res: dict[str, Any]) -> None:
                     "ref_pool_slots": [r.binding.kv_pool.num_slots for r in ref.runners]}
 
 
-def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
+def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None:
     """Greedy speculative output equals TP=1 target-only output, eager and through graph runners. The
     eager runs also record rank 0's state events (what the daemon relays and the TUI shows)."""
     from mleagle.engine.contract.event_bus import EventBus
@@ -157,11 +170,12 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
                                            ("random:2", True, "/per_forward", {"iteration_graph": False}),
                                            ("none", True, "/per_forward", {"iteration_graph": False}),
                                            ("random:2", False, "/tight_overlap", tight),
-                                           ("random:2", True, "/overlap", {})):
+                                           ("random:2", True, "/overlap", {}), (fused, True, "", {})):
+            name = "random_fused" if draft == fused else draft
             e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate, **extra)
             e.scheduler.overlap = tag.endswith("overlap")
             # Rank 0's events of an eager run, and of a run whose decode steps are whole-iteration replays.
-            ev_key = "events" if not emulate else "events_iter" if draft.startswith("random") else None
+            ev_key = "events" if not emulate else "events_iter" if name.startswith("random:") else None
             if rank == 0 and ev_key is not None and not extra and not tag:
                 e.events = EventBus()
             toks = drive(e, rank, PROMPTS, sps)
@@ -175,7 +189,7 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str) -> None:
                     for x in evs if x.type == "logprob_meta"]
             replays = sum(sum(r.graphs.stats.replays.values()) for r in e.runners if r.graphs is not None)
             it = e.worker.iter_graph
-            out[f"{layout}/{draft}/{'graphs' if emulate else 'eager'}{tag}"] = {
+            out[f"{layout}/{name}/{'graphs' if emulate else 'eager'}{tag}"] = {
                 "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays,
                 "iter_replays": sum(it.stats.replays.values()) if it is not None else 0,
                 "preemptions": e.scheduler.num_preemptions}
@@ -279,8 +293,9 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict[str, Any] = {"rank": rank}
     try:
-        check_logits(rank, res)
-        check_exact(rank, res, outdir)
+        fused = fused_draft(outdir, rank)
+        check_logits(rank, res, fused)
+        check_exact(rank, res, outdir, fused)
         check_prefix(rank, res)
         check_seed_regression(rank, res)
     except Exception:
