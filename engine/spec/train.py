@@ -164,14 +164,9 @@ def target_hidden(model: LlamaForCausalLM, ids: torch.Tensor, cos: torch.Tensor,
 
 def mtp_forward(m: MTPLayer, h: torch.Tensor, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Draft layer over [B, T]: h = the previous layer's (or the target's) hidden at p (with the fused
-    target streams for a layer that reads them), ids = t_{p+k+1}. `MTPLayer.fuse`, then every block."""
-    embed = m._shared[0]
-    d = m.hidden_size
-    e = rms(F.embedding(ids, embed.weight), m.enorm.weight, m.enorm.eps)
-    x = F.linear(torch.cat([e, rms(h[..., :d], m.hnorm.weight, m.hnorm.eps)], dim=-1), m.eh_proj.weight)
-    if m.aux:
-        a = [rms(h[..., d * (i + 1) : d * (i + 2)], n.weight, n.eps) for i, n in enumerate(m.anorm)]
-        x = x + F.linear(torch.cat(a, dim=-1), m.aux_proj.weight)
+    target streams for a layer that reads them), ids = t_{p+k+1}. The layer's own `fuse` (on [B, T, ·]
+    its norms take the differentiable torch path), then every block."""
+    x = m.fuse(F.embedding(ids, m._shared[0].weight), h)
     for b in m.blocks:
         x = dense_block(b, x, cos, sin)
     return x
