@@ -77,7 +77,9 @@ def main() -> int:
         r["mismatched_prompts"] = bad
         r["first_mismatch"] = [next((j for j, (p, q) in enumerate(zip(r["token_ids"][i], ref[i])) if p != q),
                                     min(len(r["token_ids"][i]), len(ref[i]))) for i in bad]
-    res = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from mleagle.engine.entrypoints.bench import cpu_name
+
+    res = {"machine": {"cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "loadavg": os.getloadavg()},
            "model": "smollm2-135m (SmolLM2-135M-Instruct GGUF, float32)", "data": f"{Path(a.data).name} first turns, first {len(texts)}",

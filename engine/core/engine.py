@@ -125,12 +125,13 @@ def _draft_arch(draft: str) -> Any:
         return None  # reported properly when the draft is read
 
 
-def build_runner(name: str, model: torch.nn.Module, num_layers: int, num_slots: int, arch: Any,
+def build_runner(name: str, model: torch.nn.Module, num_slots: int, arch: Any,
                  ecfg: EngineConfig, max_reqs: int, max_context: int, dtype: torch.dtype) -> ModelRunner:
     """A runner with its own KV pool, request-to-token map and attention backend, the pool holding this
-    rank's KV heads (all of them at TP size 1)."""
+    rank's KV heads (all of them at TP size 1) for each of the model's attention layers (`num_kv_layers`:
+    the target's decoder layers, or a draft step's blocks)."""
     hq, hk = rank_heads(model, arch)
-    pool = KVPool(name, num_layers, num_slots, hk, arch.head_dim, dtype, ecfg.device, ecfg.page_size)
+    pool = KVPool(name, int(model.num_kv_layers), num_slots, hk, arch.head_dim, dtype, ecfg.device, ecfg.page_size)
     r2t = ReqToTokenPool(name, max_reqs, max_context, ecfg.device)
     backend = create_backend(ecfg.attention_backend, pool, r2t, hq)
     return ModelRunner(name, model, pool, r2t, backend)
@@ -210,7 +211,7 @@ class Engine:
         num_slots = e.max_total_tokens or int(e.kv_memory_mb * 2**20 // slot_bytes)
         num_slots = max(num_slots // e.page_size, 2) * e.page_size
         self.max_reqs = e.max_running_requests
-        self.target = build_runner("target", self.model, self.arch.num_hidden_layers, num_slots, self.arch, e,
+        self.target = build_runner("target", self.model, num_slots, self.arch, e,
                                    self.max_reqs, self.max_context_len + LOOKAHEAD_MARGIN, self.dtype)
         self.allocator = SlotAllocator(num_slots, e.page_size)
         self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token], prefix_cache=e.enable_prefix_cache)
@@ -309,8 +310,10 @@ class Engine:
                 lines.append(f"{r.name}: eager (backend {r.binding.backend.name} cannot be captured)")
                 continue
             mode = ForwardMode.DRAFT_EXTEND if r in spec else ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
+            # A draft-extend graph's input hidden is as wide as its layer reads (fused target features).
+            hidden = getattr(r.model, "hidden_in_size", self.arch.hidden_size)
             g = GraphRunner(r, mode=mode, width=1 if mode is ForwardMode.DECODE else w, buckets=buckets,
-                            hidden_size=getattr(r.model, "hidden_in_size", self.arch.hidden_size), dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
+                            hidden_size=hidden, dtype=self.dtype, pruned=mode is ForwardMode.DRAFT_EXTEND,
                             emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
             try:
                 g.capture()

@@ -162,9 +162,9 @@ def resolve_device(a: argparse.Namespace) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
-def check_paths(a: argparse.Namespace) -> None:
-    """Inputs named on the command line exist, and the answer count is sane: before a phase runs, not
-    after minutes of generation."""
+def check_inputs(a: argparse.Namespace) -> None:
+    """Inputs named on the command line exist, and counts and layer lists are sane: before a phase runs,
+    not after minutes of generation."""
     if getattr(a, "samples_per_prompt", 1) < 1:
         raise ValueError(f"--samples-per-prompt must be >= 1, not {a.samples_per_prompt}")
     for opt in ("data", "skip_greedy_in"):
@@ -293,8 +293,8 @@ def train_config(a: argparse.Namespace) -> Any:
     from mleagle.engine.spec.train import TrainConfig
 
     dw = [float(x) for x in a.depth_weights.split(",")] if a.depth_weights else []
-    return TrainConfig(layers=a.layers, blocks=a.blocks, aux_layers=aux_layers(a), epochs=a.epochs, steps=a.steps, lr=a.lr, warmup=a.warmup,
-                       weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
+    return TrainConfig(layers=a.layers, blocks=a.blocks, aux_layers=aux_layers(a), epochs=a.epochs, steps=a.steps,
+                       lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
                        kl_weight=a.kl_weight, ce_weight=a.ce_weight, depth_weights=dw, prompt_weight=a.prompt_weight,
                        init=a.init, amp=not a.no_amp, chunk_rows=a.chunk_rows, seed=a.seed,
                        log_every_s=a.log_every_s, ckpt_every_s=a.ckpt_every_s)
@@ -579,7 +579,7 @@ def run(a: argparse.Namespace) -> int:
     resolve_device(a)
     if a.phase in ("train", "all"):
         train_config(a).weights()  # bad training settings fail now, not after generation
-    check_paths(a)
+    check_inputs(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "mleagle train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])

@@ -125,7 +125,7 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
     cfg = {"format": FORMAT, "version": 3, "num_layers": len(stack), "chain": stack.chain,
            "dtype": dtypes[0] if len(dtypes) == 1 else dtypes, "files": names,
            "draft_vocab_size": None if stack.vocab_ids is None else int(stack.vocab_ids.numel()),
-           "blocks_per_layer": stack.blocks, "aux_layers": list(stack.aux_layers),
+           "blocks_per_layer": stack.blocks_per_layer, "aux_layers": list(stack.aux_layers),
            "arch": stack.arch.model_dump(mode="json")}
     (p / "draft_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return [p / n for n in names]

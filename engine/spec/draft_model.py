@@ -228,7 +228,7 @@ class DraftStack(nn.Module):
             raise ValueError(f"aux_layers {list(aux_layers)} must be distinct target layers in "
                              f"0..{arch.num_hidden_layers - 2} (the last layer's stream is always read)")
         self.arch, self.chain = arch, chain
-        self.blocks, self.aux_layers = blocks, aux_layers
+        self.aux_layers = aux_layers
         self.head = DraftHead(lm_head, vocab_ids)
         self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head, blocks,
                                              len(aux_layers) if k == 0 else 0)
@@ -237,6 +237,10 @@ class DraftStack(nn.Module):
     @property
     def vocab_ids(self) -> torch.Tensor | None:
         return self.head.vocab_ids
+
+    @property
+    def blocks_per_layer(self) -> int:
+        return self.layers[0].num_kv_layers
 
     def set_vocab(self, vocab_ids: torch.Tensor | None) -> None:
         """Give every layer a new shared head over `vocab_ids` (None: the target's whole vocabulary)."""

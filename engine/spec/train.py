@@ -321,9 +321,9 @@ class Trainer:
                  ckpt_dir: str | Path | None = None, log_file: str | Path | None = None):
         if cfg.layers != len(stack):
             raise ValueError(f"config has {cfg.layers} layers, the stack {len(stack)}")
-        if cfg.blocks != stack.blocks or tuple(cfg.aux_layers) != stack.aux_layers:
+        if cfg.blocks != stack.blocks_per_layer or tuple(cfg.aux_layers) != stack.aux_layers:
             raise ValueError(f"config has blocks={cfg.blocks}, aux_layers={cfg.aux_layers}; the stack "
-                             f"{stack.blocks}, {list(stack.aux_layers)}")
+                             f"{stack.blocks_per_layer}, {list(stack.aux_layers)}")
         self.model, self.stack, self.seqs, self.cfg = model, stack, list(seqs), cfg
         self.device = model.embed_tokens.weight.device
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None

@@ -401,7 +401,8 @@ class SpecWorker(TargetWorker):
 
 def build_spec_worker(engine: object) -> SpecWorker:
     """Build the draft stack named by `engine.cfg.engine.draft` and one runner per step, each with its
-    own KV pool (a layer per block of the step), request-to-token map and backend, registered with the memory manager."""
+    own KV pool (a layer per block of the step), request-to-token map and backend, registered with the
+    memory manager."""
     from mleagle.engine.contract.config import MAX_SPEC_STEPS
     from mleagle.engine.core.engine import EngineInputError, build_runner
     from mleagle.engine.spec.checkpoint import load_draft, load_layer, parse_spec, random_layer_weights
@@ -454,7 +455,7 @@ def build_spec_worker(engine: object) -> SpecWorker:
     target = e.target  # type: ignore[attr-defined]
     runners = []
     for k in range(steps):
-        r = build_runner(f"draft{k}", stack.layers[k], stack.layers[k].num_kv_layers, target.binding.kv_pool.num_slots, darch, ecfg,
+        r = build_runner(f"draft{k}", stack.layers[k], target.binding.kv_pool.num_slots, darch, ecfg,
                          e.max_reqs, target.binding.req_to_token.max_context, e.dtype)  # type: ignore[attr-defined]
         e.mem.add_map(r.binding.req_to_token)  # type: ignore[attr-defined]
         runners.append(r)
