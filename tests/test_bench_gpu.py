@@ -29,3 +29,14 @@ def test_batches_pool_several_static_batches(tmp_path: Path) -> None:
         assert t["tokens"] == s["tokens"] == 3 * bs * 6  # every batch's every request, ignore_eos
         assert s["equal_to_target_graphs"] is True  # float32 on the CPU: speculation is exact
         assert s["spec"]["accept_len"] >= 1.0 and s["spec"]["iterations_per_request"] >= 6 / 3
+
+
+def test_profile_kernel_families_and_table() -> None:
+    assert bench_gpu.kernel_name("void cutlass::Kernel2<cutlass_80_wmma_tensorop>(Params)") == "void cutlass::Kernel2"
+    assert bench_gpu.kernel_name("_attn_decode_kernel") == "_attn_decode_kernel"
+    res = {"machine": {"torch": "x"}, "model": "m", "dtype": "bf16", "dataset": "d", "max_new_tokens": 4, "rows": [],
+           "profile_bs1_spec": {"kernels_per_token": 10.0, "gpu_busy_frac_of_wall": 0.5, "gpu_busy_frac_profiled": 0.4,
+                                "first_token_ms": 9.5, "steady_ms_per_token": 0.61,
+                                "top_kernels": [{"name": "gemv", "per_token": 3.0, "us_per_token": 12.5}]}}
+    text = bench_gpu.table(res)
+    assert "first token 9.5 ms, then 0.61 ms/token" in text and "12.50 us/token" in text and "gemv" in text

@@ -135,13 +135,24 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
     return row
 
 
+def kernel_name(name: str) -> str:
+    """A kernel's family: template arguments and the argument list dropped, long names cut."""
+    for sep in ("<", "("):
+        name = name.split(sep, 1)[0]
+    return name.strip()[:80]
+
+
 def profile_bs1(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
-    """Kernels per generated token and GPU-busy fraction at batch 1, from a torch.profiler trace."""
+    """Kernels per generated token, GPU-busy fraction and the kernel families that take the GPU's time
+    at batch 1 (torch.profiler), and what one request costs before its decode loop: the wall of a
+    1-token generate (prefill, the draft layers' prefill, the first token) against the steady
+    per-token wall, (wall(n) - wall(1)) / (n - 1)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     gen_once(engine, [prompt], 16)
     wall_plain, _, _ = gen_once(engine, [prompt], n)
+    first = statistics.median(gen_once(engine, [prompt], 1)[0] for _ in range(5))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_prof, toks, _ = gen_once(engine, [prompt], n)
     kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -157,10 +168,20 @@ def profile_bs1(engine: Any, prompt: list[int], n: int) -> dict[str, Any]:
     if cur_e is not None:
         busy += cur_e - cur_s
     ntok = len(toks[0])
+    fam: dict[str, list[float]] = {}
+    for e in kern:
+        f = fam.setdefault(kernel_name(e.name), [0, 0.0])
+        f[0] += 1
+        f[1] += e.time_range.end - e.time_range.start
+    top = sorted(fam.items(), key=lambda kv: -kv[1][1])[:20]
     return {"kernels": len(kern), "tokens": ntok, "kernels_per_token": round(len(kern) / ntok, 1),
             "gpu_busy_s": round(busy / 1e6, 4), "wall_profiled_s": round(wall_prof, 4), "wall_s": round(wall_plain, 4),
             "gpu_busy_frac_of_wall": round(busy / 1e6 / wall_plain, 3),
-            "gpu_busy_frac_profiled": round(busy / 1e6 / wall_prof, 3)}
+            "gpu_busy_frac_profiled": round(busy / 1e6 / wall_prof, 3),
+            "first_token_ms": round(1000 * first, 3),
+            "steady_ms_per_token": round(1000 * (wall_plain - first) / max(ntok - 1, 1), 4),
+            "top_kernels": [{"name": k, "per_token": round(c / ntok, 2), "us_per_token": round(t / ntok, 2)}
+                            for k, (c, t) in top]}
 
 
 # --- HF transformers ----------------------------------------------------------------------------------
@@ -369,7 +390,10 @@ def table(res: dict[str, Any]) -> str:
         if k in res:
             p = res[k]
             lines.append(f"\n{k}{' (simulated)' if p.get('simulated') else ''}: {p['kernels_per_token']} kernels/token, "
-                         f"GPU busy {p['gpu_busy_frac_of_wall']:.1%} of wall ({p['gpu_busy_frac_profiled']:.1%} under the profiler)")
+                         f"GPU busy {p['gpu_busy_frac_of_wall']:.1%} of wall ({p['gpu_busy_frac_profiled']:.1%} under the profiler); "
+                         f"first token {p.get('first_token_ms', '-')} ms, then {p.get('steady_ms_per_token', '-')} ms/token")
+            for k in p.get("top_kernels", [])[:12]:
+                lines.append(f"  {k['us_per_token']:>8.2f} us/token {k['per_token']:>7.2f}/token  {k['name']}")
     if "big" in res:
         b = res["big"]
         lines.append(f"\nLlama-3-8B shape (dummy, {b['weight_bytes'] / 1e9:.2f} GB weights, copy bandwidth "
