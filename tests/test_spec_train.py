@@ -292,6 +292,9 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     assert s["train"]["draft_vocab"] == 1024 and s["train"]["result"]["steps"] > 0
     assert {r["dataset"] for r in s["eval"]["runs"]} == {"mt_bench", "gsm8k"}
     assert all(r["prompts"] == 3 and r["accept_len"] >= 1.0 for r in s["eval"]["runs"])
+    for r in s["eval"]["runs"]:  # every finished request is in one finish group, with its tokens
+        assert sum(g["requests"] for g in r["by_finish"].values()) == 3
+        assert sum(g["tokens"] for g in r["by_finish"].values()) == r["tokens"]
     files = sorted(p.relative_to(exp).as_posix() for p in exp.rglob("*") if p.is_file())
     assert files == ["data.npz", "draft/README.md", "draft/draft.safetensors", "draft/draft_config.json", "summary.json"]
     assert len(D.load_seqs(exp / "data.npz")) == s["generate"]["totals"]["seqs"]
@@ -343,3 +346,12 @@ def test_generation_cut_by_its_budget_keeps_what_was_made(tmp_path: Path) -> Non
         out = list(s.ids[s.n_prompt :])
         assert 16 <= len(out) < 200 and out == ref[j.idx][: len(out)]
     assert D.generate_data(e, jobs, tmp_path, {}, max_new_tokens=200)["seqs"] == 8 - run1["seqs"]
+
+
+def test_repeat_frac_counts_tokens_that_copy_an_earlier_ngram() -> None:
+    from mleagle.engine.entrypoints.train_draft import repeat_frac
+
+    assert repeat_frac([list(range(40))], n=4) == 0.0
+    loop = [1, 2, 3, 4, 5] * 8  # period 5: from the 10th token on every 5-gram was seen 5 tokens earlier
+    assert repeat_frac([loop], n=4) == (40 - 9) / (40 - 4)
+    assert repeat_frac([[1, 2]], n=4) == 0.0

@@ -23,10 +23,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 T_START = time.perf_counter()
+REPEAT_NGRAM = 16  # eval: a token repeats when it completes a 17-gram seen earlier in its response
 
 
 def log(msg: str) -> None:
@@ -402,6 +404,7 @@ def run_acceptance(engine: Any, prompts: list[list[int]], temperature: float, ma
     left = set(rids)
     toks: dict[str, list[int]] = {r: [] for r in rids}
     spec: dict[str, Any] = {}
+    finish: dict[str, str] = {}
     cut = False
     while left:
         if deadline is not None and time.perf_counter() >= deadline:
@@ -412,6 +415,7 @@ def run_acceptance(engine: Any, prompts: list[list[int]], temperature: float, ma
                 toks[o.rid] += o.token_ids
                 if o.finished:
                     left.discard(o.rid)
+                    finish[o.rid] = str(o.finish_reason)
                     if o.spec is not None:
                         spec[o.rid] = o.spec
     from mleagle.engine.spec.train_data import drain
@@ -430,7 +434,36 @@ def run_acceptance(engine: Any, prompts: list[list[int]], temperature: float, ma
         res.update({"accept_len": round((sum(acc) + ver) / max(ver, 1), 4), "num_verify": ver,
                     "accepted_per_depth": acc, "accept_rate_per_depth": [round(x / max(ver, 1), 4) for x in acc],
                     "conditional_accept_per_depth": [round(acc[j] / max(acc[j - 1] if j else ver, 1), 4) for j in range(s)]})
+    # Long answers of a small target can fall into loops that any draft predicts; say how much of the
+    # text repeats itself and what requests that ended on their own (EOS) accept against capped ones.
+    groups: dict[str, list[str]] = {}
+    for r in done:
+        groups.setdefault(finish.get(r, "?"), []).append(r)
+    res["by_finish"] = {}
+    for why, rs in sorted(groups.items()):
+        g: dict[str, Any] = {"requests": len(rs), "tokens": sum(len(toks[r]) for r in rs),
+                             "repeat_frac": round(repeat_frac([toks[r] for r in rs]), 4)}
+        sp = [spec[r] for r in rs if r in spec]
+        if sp:
+            ver = sum(x.num_verify for x in sp)
+            g["accept_len"] = round((sum(x.num_accepted_tokens for x in sp) + ver) / max(ver, 1), 4)
+        res["by_finish"][why] = g
+    res["repeat_frac"] = round(repeat_frac([toks[r] for r in done]), 4)
     return res
+
+
+def repeat_frac(seqs: Sequence[Sequence[int]], n: int = REPEAT_NGRAM) -> float:
+    """Share of tokens (from the n-th of each sequence on) that complete an (n+1)-gram already seen
+    earlier in the same sequence: near 0 for ordinary prose, near 1 inside a loop."""
+    hit = tot = 0
+    for t in seqs:
+        seen: set[tuple[int, ...]] = set()
+        for i in range(n, len(t)):
+            g = tuple(t[i - n : i + 1])
+            hit += g in seen
+            seen.add(g)
+            tot += 1
+    return hit / tot if tot else 0.0
 
 
 def phase_eval(a: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
@@ -468,8 +501,11 @@ def phase_eval(a: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
             if temp == 0 and not b["cut_by_budget"]:
                 r["rows_equal_target_only"] = sum(x == y for x, y in zip(r["token_ids"], b["token_ids"]))
         r.pop("token_ids")
+        fin = "; ".join(f"{k} {g['requests']} ({g['tokens']} tok, accept_len {g.get('accept_len')}, "
+                        f"repeat {g['repeat_frac']})" for k, g in r["by_finish"].items())
         log(f"eval: {ds} T={temp}: {r['prompts']}/{r['of']} prompts, accept_len {r.get('accept_len')}, "
-            f"per depth {r.get('accept_rate_per_depth')}, {r['tok_s']} tok/s" + (" (cut by budget)" if r["cut_by_budget"] else ""))
+            f"per depth {r.get('accept_rate_per_depth')}, {r['tok_s']} tok/s" + (" (cut by budget)" if r["cut_by_budget"] else "")
+            + f"\n      by finish: {fin}")
         runs.append(r)
     res = {"draft": draft, "device": a.device, "dtype": a.dtype, "batch": a.eval_batch,
            "max_new_tokens": a.eval_max_new_tokens, "load_s": round(t_load, 2), "runs": runs,
