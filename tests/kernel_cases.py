@@ -339,6 +339,77 @@ def case_engine_greedy(dtype: torch.dtype, device: torch.device) -> float:
     return float(sum(a != b for a, b in zip(ref, got)) + abs(len(ref) - len(got)))
 
 
+def _spec_state(device: torch.device, s: int, gen: torch.Generator) -> Any:
+    from mleagle.engine.executor.slot_state import SlotState
+
+    st = SlotState(6, 64, s, device, [2])
+    for t in (st.n_out, st.kv_len, st.iters, st.last_tok):
+        t.copy_(torch.randint(0, 50, t.shape, generator=gen).to(device))
+    return st
+
+
+def _tied_logits(rows: int, v: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Coarse values with each row's maximum at random places, often twice in different argmax blocks:
+    exact ties, where the lowest index must win (as in torch.argmax)."""
+    x = torch.randint(-40, 8, (rows, v), generator=gen).float() / 4
+    for r in range(rows):
+        top = torch.randint(0, v, (1 + r % 2,), generator=gen)
+        x[r, top] = 3.0
+    return x.to(dtype).to(device)
+
+
+def case_greedy_accept(dtype: torch.dtype, device: torch.device) -> float:
+    """The fused greedy accept against the torch reference: verify rows over 3 argmax blocks with ties,
+    drafts made to match 0..S leading rows, a padded batch (pad rows not live, sharing the pad row),
+    and the benchmark's forced count; emitted tokens, n, packed rows, logit rows and every slot-state
+    field must be equal (returns the number of differing entries)."""
+    from mleagle.engine.spec import greedy
+
+    gen = torch.Generator().manual_seed(5)
+    s, w, v = 3, 4, 4100
+    bad = 0
+    for sim in (-1, 2):
+        rpi = torch.tensor([3, 0, 5, 6, 6], device=device)  # row 6 = the pad row, twice
+        live = torch.tensor([True, True, True, False, False], device=device)
+        logits = _tied_logits(5 * w, v, dtype, device, gen)
+        pred = logits.float().argmax(-1).view(5, w)
+        sts = [_spec_state(device, s, torch.Generator().manual_seed(9)) for _ in range(2)]
+        for st in sts:  # request b's first b drafts match the target's rows (b = 3: all three)
+            for b in range(5):
+                st.drafts[rpi[b]] = torch.where(torch.arange(s, device=device) < b, pred[b, :s], pred[b, :s] + 1)
+        outs = []
+        for st, fused in zip(sts, (False, True)):
+            drafts = st.drafts[rpi].clone()
+            outs.append(greedy.accept(logits, w, drafts, rpi, live, st, torch.tensor(sim, device=device), fused=fused))
+        for a, b in zip(*outs):
+            bad += int((a != b).sum())
+        for f in ("last_tok", "n_out", "kv_len", "iters", "drafts"):
+            bad += int((getattr(sts[0], f) != getattr(sts[1], f)).sum())
+    return float(bad)
+
+
+def case_greedy_draft_step(dtype: torch.dtype, device: torch.device) -> float:
+    """The fused greedy draft step against the torch reference: argmax with ties over 3 blocks, mapped
+    through a reduced vocabulary (and without one), written to the live rows' drafts, and the id window
+    rotated with the new draft at each request's accepted count."""
+    from mleagle.engine.spec import greedy
+
+    gen = torch.Generator().manual_seed(6)
+    bad = 0
+    for vocab in (None, torch.randperm(10000, generator=gen)[:6000].to(device)):
+        rpi = torch.tensor([4, 1, 6], device=device)
+        live = torch.tensor([True, True, False], device=device)
+        logits = _tied_logits(3, 6000, dtype, device, gen)
+        ids = torch.randint(0, 500, (3, 4), generator=gen).to(device)
+        n = torch.tensor([0, 3, 1], device=device)
+        sts = [_spec_state(device, 3, torch.Generator().manual_seed(7)) for _ in range(2)]
+        outs = [greedy.draft_step(logits, vocab, st, rpi, 1, live, ids, n, fused=f) for st, f in zip(sts, (False, True))]
+        for a, b in zip(*outs):
+            bad += int((a != b).sum())
+        bad += int((sts[0].drafts != sts[1].drafts).sum())
+    return float(bad)
+
+
 CASES: dict[str, Callable[..., float]] = {
     "rope_store": case_rope_store,
     "extend": case_extend,
@@ -354,6 +425,8 @@ CASES: dict[str, Callable[..., float]] = {
     "silu_and_mul": case_silu_and_mul,
     "fill_kv_indices": case_fill_kv_indices,
     "engine_greedy": case_engine_greedy,
+    "greedy_accept": case_greedy_accept,
+    "greedy_draft_step": case_greedy_draft_step,
 }
 
 

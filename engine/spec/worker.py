@@ -49,6 +49,7 @@ from mleagle.engine.executor.worker import FwdInfo, HostView, Pending, StepResul
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
+from mleagle.engine.spec import greedy
 
 
 @dataclass
@@ -233,7 +234,7 @@ class SpecWorker(TargetWorker):
         row metadata, the target's hidden states). `eager` runs every forward eagerly (inside a
         whole-iteration capture); `live` masks padded rows out of every state write."""
         st = self.state
-        s, w, bs = self.steps, self.steps + 1, int(rpi.shape[0])
+        w, bs = self.steps + 1, int(rpi.shape[0])
         drafts = st.drafts[rpi]  # [bs, S]
         ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
         view = self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host)
@@ -242,11 +243,31 @@ class SpecWorker(TargetWorker):
         self.last_batch = vb
         self.forwards = [FwdInfo.of(self.target.name, vb, out.graph_bs, out.eager_reason)]
         metas = [self.target.row_meta(vb)]
+        if flags.plain and flags.logprobs < 0:  # the common case: fused accept + commit + pack on CUDA
+            emitted, n, packed, sel = greedy.accept(out.logits, w, drafts, rpi, live, st, self._simulate)
+        else:
+            emitted, n, packed = self._accept(out.logits, rpi, live, flags, drafts, w)
+            sel = torch.arange(bs, device=self.device) * w + n
+        if timer is not None:
+            timer.mark()
+        # Draft-extend over the same rows. Rows past a request's last accepted row carry the target's
+        # guesses; their KV lands at positions >= the new kv_len, which the next iteration rewrites.
+        if self.boundary_kv == "stale":
+            dview = dataclasses.replace(view, mode=ForwardMode.DRAFT_EXTEND, logit_rows=sel, pruned=True)
+            metas += self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer, live, eager)
+        return packed, metas, out.hidden
+
+    def _accept(self, logits: torch.Tensor, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags,
+                drafts: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept and commit for any sampling parameters (penalties, bans, sampled rows, logprobs):
+        (emitted [bs, W], accepted drafts n [bs], packed result)."""
+        st = self.state
+        s, bs = w - 1, int(rpi.shape[0])
         if flags.plain:
-            x, rows = out.logits, None
+            x, rows = logits, None
         else:
             rows = st.rows(rpi, w, flags)
-            x = penalize(out.logits, rows, *st.context(rpi, flags, drafts))
+            x = penalize(logits, rows, *st.context(rpi, flags, drafts))
         pred = x.argmax(-1).view(bs, w)
         ar = st._ar[:w].view(1, w)
         if flags.all_greedy:
@@ -264,18 +285,10 @@ class SpecWorker(TargetWorker):
         emitted = torch.where(ar < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
         emitted = emitted.scatter(1, n.view(-1, 1), final.view(-1, 1))
         n_emit = n + 1
-        lp = logprobs(out.logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+        lp = logprobs(logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         st.commit(rpi, emitted, n_emit, flags, live=live)
         st.iters[rpi] += 1 if live is None else live.to(torch.int64)
-        if timer is not None:
-            timer.mark()
-        # Draft-extend over the same rows. Rows past a request's last accepted row carry the target's
-        # guesses; their KV lands at positions >= the new kv_len, which the next iteration rewrites.
-        if self.boundary_kv == "stale":
-            sel = torch.arange(bs, device=self.device) * w + n
-            dview = dataclasses.replace(view, mode=ForwardMode.DRAFT_EXTEND, logit_rows=sel, pruned=True)
-            metas += self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer, live, eager)
-        return pack(emitted, n_emit, lp, w), metas, out.hidden
+        return emitted, n, pack(emitted, n_emit, lp, w)
 
     def _reject(self, x: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, pred: torch.Tensor, rpi: torch.Tensor,
                 bs: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,11 +339,14 @@ class SpecWorker(TargetWorker):
             o = runner.forward_eager(b, observe=False) if eager else runner.forward(b)
             self.forwards.append(FwdInfo.of(runner.name, b, o.graph_bs, o.eager_reason))
             metas.append(runner.row_meta(b))
-            d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
+            if flags.all_greedy:  # argmax, vocabulary map, state write and window rotate (fused on CUDA)
+                _, ids = greedy.draft_step(o.logits, runner.model.head.vocab_ids, self.state, rpi, k, live, ids, n)
+            else:
+                d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
+                # Rotate: every window shifts left by one, and the new draft goes at the last accepted row.
+                ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))
             if timer is not None:
                 timer.mark()
-            # Rotate: every window shifts left by one, and the new draft goes at the last accepted row.
-            ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))
             h = o.hidden if self.chain else target_hidden
         return metas
 
