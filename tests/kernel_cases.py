@@ -410,6 +410,38 @@ def case_greedy_draft_step(dtype: torch.dtype, device: torch.device) -> float:
     return float(bad)
 
 
+def case_draft_fuse_input(dtype: torch.dtype, device: torch.device) -> float:
+    """A draft layer's input (token embedding and fused target features, 4 streams; and a chain layer
+    without them) through the grouped input norm and the accumulated projections, against the
+    reference's separate norms, concatenations and projections; SmolLM2's width 576."""
+    from spec_helpers import tiny_cfg
+
+    from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from mleagle.engine.layers.rope import RotaryEmbedding
+    from mleagle.engine.spec.draft_model import MTPLayer
+
+    arch = tiny_cfg(hidden=576, heads=9, kv=3, inter=64).model.arch
+    assert arch is not None
+    gen = torch.Generator().manual_seed(8)
+    torch.manual_seed(8)
+    embed, head = VocabParallelEmbedding(arch.vocab_size, 576, dtype), ParallelLMHead(arch.vocab_size, 576, dtype)
+    rope = RotaryEmbedding(64, 512, arch.rope_theta, None, dtype)
+    err = 0.0
+    for aux in (4, 0):
+        layer = MTPLayer(arch, dtype, embed, head, rope, aux=aux)
+        with torch.no_grad():
+            for prm in layer.parameters():
+                prm.copy_((torch.rand(prm.shape, generator=gen) * 0.1 + (0.5 if prm.dim() == 1 else -0.05)).to(dtype))
+        layer.to(device)
+        e = (torch.randn(5, 576, generator=gen) * 0.2).to(dtype).to(device)
+        hin = (torch.randn(5, 576 * (1 + aux), generator=gen) * 4).to(dtype).to(device)
+        with torch.no_grad():
+            err = max(err, rel_err(layer.fuse_kernel(e, hin), layer.fuse_ref(e, hin)))
+            layer.enorm.weight.mul_(2)  # an in-place change must reach the stacked weights
+            err = max(err, rel_err(layer.fuse_kernel(e, hin), layer.fuse_ref(e, hin)))
+    return err
+
+
 CASES: dict[str, Callable[..., float]] = {
     "rope_store": case_rope_store,
     "extend": case_extend,
@@ -427,6 +459,7 @@ CASES: dict[str, Callable[..., float]] = {
     "engine_greedy": case_engine_greedy,
     "greedy_accept": case_greedy_accept,
     "greedy_draft_step": case_greedy_draft_step,
+    "draft_fuse_input": case_draft_fuse_input,
 }
 
 

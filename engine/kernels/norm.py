@@ -56,3 +56,40 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                               N=n, BLOCK=block, HAS_RES=residual is not None,
                               num_warps=max(1, min(8, block // 256)))
     return out, res_out
+
+
+@triton.jit
+def _group_rmsnorm_kernel(e, s_e, h, s_h, w, out, s_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    if g == 0:
+        v = tl.load(e + t * s_e + i, mask=m, other=0.0).to(tl.float32)
+    else:
+        v = tl.load(h + t * s_h + (g - 1) * N + i, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, 0) / N + eps)
+    y = (v * rstd).to(out.dtype.element_ty).to(tl.float32)
+    wt = tl.load(w + g * N + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + t * s_o + g * N + i, (wt * y).to(out.dtype.element_ty), mask=m)
+
+
+def group_rmsnorm(e: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """A draft layer's input norms in one launch: e [T, N] and the G segments of h [T, G·N], each with its
+    own weight (weights [1+G, N]) → [T, (1+G)·N] = [norm_0(e) | norm_1(h_1) | ... | norm_G(h_G)], each
+    segment rounded as the reference RMSNorm rounds it."""
+    n = e.shape[-1]
+    groups = weights.shape[0]
+    if e.stride(-1) != 1:
+        e = e.contiguous()
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    if h.shape[-1] != (groups - 1) * n or weights.shape[1] != n:
+        raise ValueError(f"group_rmsnorm: e [T, {n}], h [T, {h.shape[-1]}] and weights {tuple(weights.shape)} disagree")
+    t = e.shape[0]
+    out = torch.empty(t, groups * n, dtype=e.dtype, device=e.device)
+    if t:
+        block = next_pow2(n)
+        _group_rmsnorm_kernel[(t, groups)](e, e.stride(0), h, h.stride(0), weights, out, out.stride(0), eps,
+                                           N=n, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+    return out

@@ -34,11 +34,13 @@ the same [R, Vd] logits from the same hidden states with no communication.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mleagle.engine.contract.config import ModelArch
 from mleagle.engine.distributed import LOCAL, Comm, TPGroup, comm_for
 from mleagle.engine.executor.forward_batch import ForwardBatch
+from mleagle.engine.kernels import fused_layers_on
 from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_shard
 from mleagle.engine.layers.linear import linear
 from mleagle.engine.layers.norm import RMSNorm
@@ -151,6 +153,8 @@ class MTPLayer(nn.Module):
         tp = LOCAL if replicate else self.tp
         self.blocks = nn.ModuleList(DecoderLayer(arch, i, rope, dtype, tp) for i in range(blocks))
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        self._nw: torch.Tensor | None = None  # the input norms' weights stacked (fuse_kernel)
+        self._nw_key: tuple[tuple[int, int], ...] = ()
         # Shared with the target, held by reference (not registered), so weights exist once.
         self._shared = (embed, lm_head)
         # The draft head, shared by every layer of the stack (registered: it moves with .to()).
@@ -196,9 +200,35 @@ class MTPLayer(nn.Module):
 
     def fuse(self, e: torch.Tensor, hin: torch.Tensor) -> torch.Tensor:
         """The first block's input from the token embedding rows `e` [T, H] and the input hidden [T, H·(1+A)]."""
-        h = self.hidden_size
         if hin.shape[-1] != self.hidden_in_size:
             raise ValueError(f"draft layer expects input hidden states of width {self.hidden_in_size}, got {hin.shape[-1]}")
+        if e.dim() == 2 and fused_layers_on(e) and not self.eh_proj.weight.requires_grad:
+            return self.fuse_kernel(e, hin)
+        return self.fuse_ref(e, hin)
+
+    def fuse_kernel(self, e: torch.Tensor, hin: torch.Tensor) -> torch.Tensor:
+        """`fuse_ref` in two or three launches (serving on CUDA): every input norm at once into one
+        [T, H·(2+A)] buffer, then eh_proj and, accumulated onto it, aux_proj (instead of 2+A norms, two
+        concatenations, two GEMMs and an add)."""
+        from mleagle.engine.kernels.norm import group_rmsnorm
+
+        h = self.hidden_size
+        x = group_rmsnorm(e, hin, self._norm_weights(), self.enorm.eps)
+        y = F.linear(x[:, : 2 * h], self.eh_proj.weight)
+        return torch.addmm(y, x[:, 2 * h :], self.aux_proj.weight.t()) if self.aux else y
+
+    def _norm_weights(self) -> torch.Tensor:
+        """The input norms' weights stacked [2+A, H], made again whenever one of them changes (moved,
+        reloaded or written in place)."""
+        ws = [self.enorm.weight, self.hnorm.weight, *((n.weight for n in self.anorm) if self.aux else ())]
+        key = tuple((w.data_ptr(), w._version) for w in ws)
+        if self._nw_key != key:
+            self._nw, self._nw_key = torch.stack([w.detach() for w in ws]), key
+        assert self._nw is not None
+        return self._nw
+
+    def fuse_ref(self, e: torch.Tensor, hin: torch.Tensor) -> torch.Tensor:
+        h = self.hidden_size
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hin[..., :h])], dim=-1))
         if self.aux:
             a = [n(hin[..., h * (i + 1) : h * (i + 2)]) for i, n in enumerate(self.anorm)]
