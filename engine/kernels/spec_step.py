@@ -21,11 +21,16 @@ The references are in `mleagle.engine.spec.greedy`, which picks these kernels on
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from mleagle.engine.kernels import interpreter_compat, next_pow2
+
+if TYPE_CHECKING:
+    from mleagle.engine.executor.slot_state import SlotState
 
 interpreter_compat()
 
@@ -119,9 +124,8 @@ def argmax_partials(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, i
 
 
 def greedy_accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch.Tensor, live: torch.Tensor | None,
-                  state: object, sim: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  st: SlotState, sim: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `mleagle.engine.spec.greedy.accept`: (emitted [bs, W], n [bs], packed [bs, W+1], sel [bs])."""
-    st = state
     bs = int(rpi.shape[0])
     pmax, pidx, c = argmax_partials(logits)
     dev = logits.device
@@ -130,9 +134,9 @@ def greedy_accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch
     n = torch.empty(bs, dtype=torch.int64, device=dev)
     sel = torch.empty(bs, dtype=torch.int64, device=dev)
     if bs:
-        sd = st.drafts  # type: ignore[attr-defined]
+        sd = st.drafts
         _greedy_accept_kernel[(bs,)](pmax, pidx, c, rpi, live if live is not None else rpi, sd, sd.stride(0), sim,
-                                     st.last_tok, st.n_out, st.kv_len, st.iters,  # type: ignore[attr-defined]
+                                     st.last_tok, st.n_out, st.kv_len, st.iters,
                                      emitted, packed, n, sel, HAS_LIVE=live is not None, CP=pmax.shape[1],
                                      S=w - 1, W=w, WP=next_pow2(w), num_warps=1)
     return emitted, n, packed, sel

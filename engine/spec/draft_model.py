@@ -221,7 +221,7 @@ class MTPLayer(nn.Module):
         """The input norms' weights stacked [2+A, H], made again whenever one of them changes (moved,
         reloaded or written in place)."""
         ws = [self.enorm.weight, self.hnorm.weight, *((n.weight for n in self.anorm) if self.aux else ())]
-        key = tuple((w.data_ptr(), w._version) for w in ws)
+        key = tuple((w.data_ptr(), w._version) for w in ws)  # _version: torch's in-place write counter
         if self._nw_key != key:
             self._nw, self._nw_key = torch.stack([w.detach() for w in ws]), key
         assert self._nw is not None

@@ -27,7 +27,7 @@ def accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch.Tensor
     scalar (≥ 0: the benchmark's forced accepted count) → (emitted [bs, W]: accepted drafts then the
     target's argmax, the first n+1 valid; n [bs]; the packed result [bs, W+1]; sel [bs]: each request's
     draft-extend logit row b·W + n). Commits the live rows' slot state (n+1 tokens and KV positions)."""
-    if fused_layers_on(logits) if fused is None else fused:
+    if fused_layers_on(logits) if fused is None else fused:  # `fused` forces a side (kernel tests)
         from mleagle.engine.kernels.spec_step import greedy_accept
 
         return greedy_accept(logits, w, drafts, rpi, live, st, sim)

@@ -11,7 +11,9 @@ W = S+1 rows each, with no read back to the host until its single result copy:
    the output plus d1..dj, so penalties stay exact), or Leviathan/Chen rejection sampling with the
    draft's stored distributions, branch-free over the batch, then a residual (or bonus) draw; random
    draws are keyed by (seed, output position, stream, iteration), so a seeded request is
-   batch-invariant. Logprobs of emitted tokens come from these target logits.
+   batch-invariant. Logprobs of emitted tokens come from these target logits. A plain greedy batch
+   (no penalties, bans or logprobs: the common case) takes `greedy.accept`, one kernel after the
+   argmax on CUDA, and greedy draft steps `greedy.draft_step`.
 3. draft-extend: for k = 0..S-1 one DRAFT_EXTEND over the same W rows per request, derived from one
    immutable view with `dataclasses.replace` (only input ids, input hidden and binding change),
    logits pruned to each request's last accepted row (a device index); the id window rotates left by
