@@ -292,9 +292,11 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     assert s["train"]["draft_vocab"] == 1024 and s["train"]["result"]["steps"] > 0
     assert {r["dataset"] for r in s["eval"]["runs"]} == {"mt_bench", "gsm8k"}
     assert all(r["prompts"] == 3 and r["accept_len"] >= 1.0 for r in s["eval"]["runs"])
-    for r in s["eval"]["runs"]:  # every finished request is in one finish group, with its tokens
-        assert sum(g["requests"] for g in r["by_finish"].values()) == 3
-        assert sum(g["tokens"] for g in r["by_finish"].values()) == r["tokens"]
+    for r in s["eval"]["runs"]:  # every finished request is in one finish group and one category, with its tokens
+        for groups in (r["by_finish"], r["by_category"]):
+            assert sum(g["requests"] for g in groups.values()) == 3
+            assert sum(g["tokens"] for g in groups.values()) == r["tokens"]
+        assert set(r["by_category"]) == ({"writing"} if r["dataset"] == "mt_bench" else {"math_reasoning"})
     files = sorted(p.relative_to(exp).as_posix() for p in exp.rglob("*") if p.is_file())
     assert files == ["data.npz", "draft/README.md", "draft/draft.safetensors", "draft/draft_config.json", "summary.json"]
     assert len(D.load_seqs(exp / "data.npz")) == s["generate"]["totals"]["seqs"]

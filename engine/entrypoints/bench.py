@@ -74,6 +74,13 @@ def read_first_turns(name: str, ddir: Path) -> list[str]:
     return out
 
 
+def read_categories(name: str, ddir: Path) -> list[str | None]:
+    """Each row's `category` (MT-Bench: writing, roleplay, ...), None where a row has none; rows in the
+    order of `read_first_turns`."""
+    f = ddir / DATASETS[name] if name in DATASETS else Path(name)
+    return [json.loads(line).get("category") for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def cpu_name() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:

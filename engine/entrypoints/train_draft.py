@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -390,9 +390,16 @@ def read_first_turns(name: str, ddir: Path) -> list[str]:
     return rft(name, ddir)
 
 
+def read_categories(name: str, ddir: Path) -> list[str | None]:
+    from mleagle.engine.entrypoints.bench import read_categories as rc
+
+    return rc(name, ddir)
+
+
 def run_acceptance(engine: Any, prompts: list[list[int]], temperature: float, max_new: int, seed: int,
-                   deadline: float | None) -> dict[str, Any]:
-    """All prompts through the engine (continuous batching); spec statistics summed over finished requests."""
+                   deadline: float | None, categories: Sequence[str | None] | None = None) -> dict[str, Any]:
+    """All prompts through the engine (continuous batching); spec statistics summed over finished requests,
+    and per group: by how each request ended (EOS or the cap) and, given `categories`, by its prompt's."""
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -436,20 +443,30 @@ def run_acceptance(engine: Any, prompts: list[list[int]], temperature: float, ma
                     "conditional_accept_per_depth": [round(acc[j] / max(acc[j - 1] if j else ver, 1), 4) for j in range(s)]})
     # Long answers of a small target can fall into loops that any draft predicts; say how much of the
     # text repeats itself and what requests that ended on their own (EOS) accept against capped ones.
+    res["by_finish"] = group_stats(done, lambda r: finish.get(r, "?"), toks, spec)
+    if categories is not None:
+        cat = dict(zip(rids, categories))
+        res["by_category"] = group_stats(done, lambda r: cat.get(r) or "?", toks, spec)
+    res["repeat_frac"] = round(repeat_frac([toks[r] for r in done]), 4)
+    return res
+
+
+def group_stats(rids: Sequence[str], key: Callable[[str], str], toks: dict[str, list[int]],
+                spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Requests grouped by `key`: count, tokens, repeated-n-gram share and accept length per group."""
     groups: dict[str, list[str]] = {}
-    for r in done:
-        groups.setdefault(finish.get(r, "?"), []).append(r)
-    res["by_finish"] = {}
-    for why, rs in sorted(groups.items()):
+    for r in rids:
+        groups.setdefault(key(r), []).append(r)
+    out = {}
+    for name, rs in sorted(groups.items()):
         g: dict[str, Any] = {"requests": len(rs), "tokens": sum(len(toks[r]) for r in rs),
                              "repeat_frac": round(repeat_frac([toks[r] for r in rs]), 4)}
         sp = [spec[r] for r in rs if r in spec]
         if sp:
             ver = sum(x.num_verify for x in sp)
             g["accept_len"] = round((sum(x.num_accepted_tokens for x in sp) + ver) / max(ver, 1), 4)
-        res["by_finish"][why] = g
-    res["repeat_frac"] = round(repeat_frac([toks[r] for r in done]), 4)
-    return res
+        out[name] = g
+    return out
 
 
 def repeat_frac(seqs: Sequence[Sequence[int]], n: int = REPEAT_NGRAM) -> float:
@@ -486,12 +503,14 @@ def phase_eval(a: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
     jobs = [(d, t) for d in datasets for t in temps]
     for n, (ds, temp) in enumerate(jobs):
         texts = read_first_turns(ds, ddir)[: a.eval_prompts]
-        prompts = [engine.encode_prompt(t, chat=True) for t in texts]
-        prompts = [p for p in prompts if len(p) + a.eval_max_new_tokens < engine.max_context_len]
+        cats = read_categories(ds, ddir)[: a.eval_prompts]
+        fits = [(p, c) for p, c in zip((engine.encode_prompt(t, chat=True) for t in texts), cats)
+                if len(p) + a.eval_max_new_tokens < engine.max_context_len]
+        prompts, cats = [p for p, _ in fits], [c for _, c in fits]
         dl = None
         if deadline is not None:  # an even share of what is left for each remaining run
             dl = time.perf_counter() + (deadline - time.perf_counter()) / ((len(jobs) - n) * (2 if base else 1))
-        r = run_acceptance(engine, prompts, temp, a.eval_max_new_tokens, a.seed, dl)
+        r = run_acceptance(engine, prompts, temp, a.eval_max_new_tokens, a.seed, dl, cats)
         r.update({"dataset": ds, "temperature": temp})
         if base is not None:
             dl = time.perf_counter() + (deadline - time.perf_counter()) / ((len(jobs) - n) * 2 - 1) if deadline else None
@@ -505,7 +524,9 @@ def phase_eval(a: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
                         f"repeat {g['repeat_frac']})" for k, g in r["by_finish"].items())
         log(f"eval: {ds} T={temp}: {r['prompts']}/{r['of']} prompts, accept_len {r.get('accept_len')}, "
             f"per depth {r.get('accept_rate_per_depth')}, {r['tok_s']} tok/s" + (" (cut by budget)" if r["cut_by_budget"] else "")
-            + f"\n      by finish: {fin}")
+            + f"\n      by finish: {fin}"
+            + ("\n      by category: " + ", ".join(f"{k} {g.get('accept_len')} ({g['requests']})" for k, g in r["by_category"].items())
+               if len(r.get("by_category", {})) > 1 else ""))
         runs.append(r)
     res = {"draft": draft, "device": a.device, "dtype": a.dtype, "batch": a.eval_batch,
            "max_new_tokens": a.eval_max_new_tokens, "load_s": round(t_load, 2), "runs": runs,
