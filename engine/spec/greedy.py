@@ -33,8 +33,7 @@ def accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch.Tensor
         return greedy_accept(logits, w, drafts, rpi, live, st, sim)
     s, bs = w - 1, int(rpi.shape[0])
     pred = logits.argmax(-1).view(bs, w)
-    n = (drafts == pred[:, :s]).to(torch.int64).cumprod(1).sum(1)
-    n = torch.where(sim >= 0, sim.clamp(max=s), n)
+    n = torch.where(sim >= 0, sim.clamp(max=s), accepted(drafts, pred))
     # Accepted drafts (equal to the target's argmax unless forced), then the target's tokens from row n.
     emitted = torch.where(st._ar[:w].view(1, w) < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
     n_emit = n + 1
@@ -42,6 +41,12 @@ def accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch.Tensor
     st.iters[rpi] += 1 if live is None else live.to(torch.int64)
     sel = torch.arange(bs, device=logits.device) * w + n
     return emitted, n, pack(emitted, n_emit, None, w), sel
+
+
+def accepted(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance: the number of leading drafts [bs, S] equal to the target's argmax of the rows
+    before them (pred [bs, W]), per request."""
+    return (drafts == pred[:, : drafts.shape[1]]).to(torch.int64).cumprod(1).sum(1)
 
 
 def draft_step(logits: torch.Tensor, vocab_ids: torch.Tensor | None, st: SlotState, rpi: torch.Tensor, k: int,

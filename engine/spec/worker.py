@@ -273,7 +273,7 @@ class SpecWorker(TargetWorker):
         pred = x.argmax(-1).view(bs, w)
         ar = st._ar[:w].view(1, w)
         if flags.all_greedy:
-            n = (drafts == pred[:, :s]).to(torch.int64).cumprod(1).sum(1)
+            n = greedy.accepted(drafts, pred)
         else:
             assert rows is not None
             n, final = self._reject(x, rows, drafts, pred, rpi, bs, w)
