@@ -62,23 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- inputs and machine ------------------------------------------------------------------------
-def read_first_turns(name: str, ddir: Path) -> list[str]:
+def dataset_rows(name: str, ddir: Path) -> list[dict[str, Any]]:
+    """The rows of a known prompt set (in `ddir`) or of a JSONL file."""
     f = ddir / DATASETS[name] if name in DATASETS else Path(name)
     if not f.is_file():
         raise ValueError(f"dataset {name!r}: {f} not found (known: {', '.join(DATASETS)}, or a JSONL path)")
-    out = []
-    for line in f.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out.append(row["turns"][0] if "turns" in row else row["prompt"])
-    return out
+    return [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_first_turns(name: str, ddir: Path) -> list[str]:
+    return [row["turns"][0] if "turns" in row else row["prompt"] for row in dataset_rows(name, ddir)]
 
 
 def read_categories(name: str, ddir: Path) -> list[str | None]:
     """Each row's `category` (MT-Bench: writing, roleplay, ...), None where a row has none; rows in the
     order of `read_first_turns`."""
-    f = ddir / DATASETS[name] if name in DATASETS else Path(name)
-    return [json.loads(line).get("category") for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row.get("category") for row in dataset_rows(name, ddir)]
 
 
 def cpu_name() -> str:

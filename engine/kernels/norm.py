@@ -20,6 +20,16 @@ interpreter_compat()
 
 
 @triton.jit
+def _norm_store(v, w, out, i, m, eps, N: tl.constexpr):
+    """Normalise the float32 row v and store weight * it at `out + i`, rounded as the reference rounds:
+    the normalised value to the output dtype before the weight multiplies it."""
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, 0) / N + eps)
+    y = (v * rstd).to(out.dtype.element_ty).to(tl.float32)
+    wt = tl.load(w + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + i, (wt * y).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(x, s_x, res, s_r, w, out, s_o, res_out, s_ro, eps, N: tl.constexpr,
                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
     t = tl.program_id(0)
@@ -30,11 +40,7 @@ def _add_rmsnorm_kernel(x, s_x, res, s_r, w, out, s_o, res_out, s_ro, eps, N: tl
         r = tl.load(res + t * s_r + i, mask=m, other=0.0)
         v = (v.to(tl.float32) + r.to(tl.float32)).to(res_out.dtype.element_ty)
         tl.store(res_out + t * s_ro + i, v, mask=m)
-    v = v.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, 0) / N + eps)
-    y = (v * rstd).to(out.dtype.element_ty).to(tl.float32)
-    wt = tl.load(w + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + t * s_o + i, (wt * y).to(out.dtype.element_ty), mask=m)
+    _norm_store(v.to(tl.float32), w, out + t * s_o, i, m, eps, N)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -68,10 +74,7 @@ def _group_rmsnorm_kernel(e, s_e, h, s_h, w, out, s_o, eps, N: tl.constexpr, BLO
         v = tl.load(e + t * s_e + i, mask=m, other=0.0).to(tl.float32)
     else:
         v = tl.load(h + t * s_h + (g - 1) * N + i, mask=m, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, 0) / N + eps)
-    y = (v * rstd).to(out.dtype.element_ty).to(tl.float32)
-    wt = tl.load(w + g * N + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + t * s_o + g * N + i, (wt * y).to(out.dtype.element_ty), mask=m)
+    _norm_store(v, w + g * N, out + t * s_o + g * N, i, m, eps, N)
 
 
 def group_rmsnorm(e: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:

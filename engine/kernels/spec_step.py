@@ -111,8 +111,10 @@ def _greedy_draft_step_kernel(pmax, pidx, C, vocab_ids, rpi, live, drafts, s_dr,
 
 
 def argmax_partials(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """logits [R, V] (any float dtype, unit stride in V) → per-block maxima [R, CP] float32, their
+    """logits [R, V] (any float dtype) → per-block maxima [R, CP] float32, their
     indices [R, CP] int64 (the first C columns written) and C."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     r, v = logits.shape
     c = triton.cdiv(v, BLOCK)
     cp = next_pow2(c)
@@ -145,6 +147,7 @@ def greedy_accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch
 def greedy_draft_step(logits: torch.Tensor, vocab_ids: torch.Tensor | None, drafts: torch.Tensor, rpi: torch.Tensor,
                       k: int, live: torch.Tensor | None, ids: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See `mleagle.engine.spec.greedy.draft_step`: (new drafts [bs], the next id window [bs, W])."""
+    ids = ids.contiguous()  # the kernel reads row b at b·W
     bs, w = ids.shape
     pmax, pidx, c = argmax_partials(logits)
     d = torch.empty(bs, dtype=torch.int64, device=logits.device)

@@ -59,7 +59,7 @@ def draft_step(logits: torch.Tensor, vocab_ids: torch.Tensor | None, st: SlotSta
     if fused_layers_on(logits) if fused is None else fused:
         from mleagle.engine.kernels.spec_step import greedy_draft_step
 
-        return greedy_draft_step(logits, vocab_ids, st.drafts, rpi, k, live, ids.contiguous(), n)
+        return greedy_draft_step(logits, vocab_ids, st.drafts, rpi, k, live, ids, n)
     idx = logits.argmax(-1)
     d = idx if vocab_ids is None else vocab_ids[idx]
     st.drafts[rpi, k] = d if live is None else torch.where(live, d, st.drafts[rpi, k])
