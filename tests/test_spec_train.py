@@ -236,6 +236,33 @@ def test_prompts_exclude_evaluation_sets_and_duplicates(tmp_path: Path) -> None:
             D.parse_mix(bad)
 
 
+def test_prose_prompts_are_distinct_deterministic_and_decontaminated(tmp_path: Path) -> None:
+    """scripts/prose_prompts.py: n distinct prompts, the same for a seed, none sharing an 8-word run
+    with an evaluation turn; the file it writes reads back as training prompts of source prose_synth."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prose_prompts", Path(__file__).parents[1] / "scripts" / "prose_prompts.py")
+    pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+    base = pp.candidates()
+    assert len(base) == len(set(base)) > 5000
+    a, dropped = pp.make(3000, 0, set())
+    assert len(a) == len(set(a)) == 3000 and dropped == 0 and pp.make(3000, 0, set())[0] == a
+    assert pp.make(3000, 1, set())[0] != a
+    victim = "Describe the causes and consequences of the Industrial Revolution, please, in detail."
+    (tmp_path / "mt_bench.jsonl").write_text(json.dumps({"turns": [victim]}) + "\n")
+    banned = pp.banned_ngrams(tmp_path)
+    b, dropped = pp.make(len(base) * 3, 0, banned)
+    assert dropped > 0 and not any("causes and consequences of the Industrial Revolution" in p for p in b)
+    assert any("causes and consequences of the French Revolution" in p for p in b)
+    out = tmp_path / "prose.jsonl"
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Other", "source": "x"}) + "\n")
+    assert pp.main(["--out", str(out), "--n", "500", "--data-dir", str(tmp_path)]) == 0
+    got = D.training_prompts(tmp_path, extra=[out], sources=["prose_synth"])
+    assert len(got) == 500 and {p.source for p in got} == {"prose_synth"}
+    assert pp.main(["--out", str(out), "--data-dir", str(tmp_path / "none")]) == 2  # nothing to decontaminate against
+
+
 def test_reduced_vocabulary_selection_and_mapping() -> None:
     counts = torch.tensor([5, 0, 9, 9, 1, 0, 3]).numpy()
     ids = D.select_vocab(counts, 3, always=[5])
@@ -327,6 +354,21 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     trained_kl = sum(s["train"]["heldout_after"]["kl"])
     assert sum(cold["heldout_before"]["kl"]) > trained_kl
     assert sum(warm["heldout_before"]["kl"]) < sum(cold["heldout_before"]["kl"])
+    # ... or dropping its reduced vocabulary: the layers carry over as they were (lr 0), the head is the target's
+    from mleagle.engine.contract.config import load_config
+    from mleagle.engine.spec.checkpoint import load_draft
+
+    wide = ["train-draft", "train", "--out", str(tmp_path / "wide"), "--data", str(exp / "data.npz"),
+            "--init-draft", str(exp / "draft"), "--widen-vocab", "--steps", "1", "--lr", "0", "--warmup", "0",
+            *common[:-6], "--holdout-seqs", "4", "--log-every-s", "100"]
+    assert cli.main([*wide[:6], *wide[8:]]) == 2  # --widen-vocab without a draft to widen
+    assert cli.main(wide) == 0
+    assert json.loads((tmp_path / "wide" / "train.json").read_text())["draft_vocab"] is None
+    arch = load_config(str(toml)).model.arch
+    a, b = load_draft(exp / "draft", arch), load_draft(tmp_path / "wide" / "draft", arch)
+    assert a.vocab_ids is not None and len(a.vocab_ids) == 1024 and b.vocab_ids is None
+    for wa, wb in zip(a.layers, b.layers, strict=True):
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_generation_cut_by_its_budget_keeps_what_was_made(tmp_path: Path) -> None:

@@ -97,6 +97,8 @@ def _train(p: argparse.ArgumentParser) -> None:
                         "`all` then skips generate")
     g.add_argument("--init-draft", default=None,
                    help="start from this saved draft (same layer count; its draft vocabulary is kept)")
+    g.add_argument("--widen-vocab", action="store_true",
+                   help="with --init-draft: drop its reduced draft vocabulary, train and serve over the target's")
     g.add_argument("--holdout-seqs", type=int, default=64)
     g.add_argument("--train-time-budget-s", type=float, default=None)
     g.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's train_state.pt")
@@ -180,6 +182,8 @@ def check_inputs(a: argparse.Namespace) -> None:
     init = getattr(a, "init_draft", None)
     if init and not Path(init).is_dir():
         raise FileNotFoundError(f"--init-draft {init}: no such draft folder")
+    if getattr(a, "widen_vocab", False) and not init:
+        raise ValueError("--widen-vocab widens the vocabulary of --init-draft; give the draft to start from")
 
 
 def hardware(device: str) -> str:
@@ -325,10 +329,11 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
             raise ValueError(f"--init-draft {a.init_draft} has {start.blocks} block(s) per step and aux layers "
                              f"{list(start.aux_layers)}; a run may add blocks and fused features, not drop them "
                              f"(--blocks {a.blocks}, --aux-layers {aux_layers(a)})")
-        vocab_ids = start.vocab_ids
+        vocab_ids = None if a.widen_vocab else start.vocab_ids  # the head is the target's: only its rows differ
         counts = response_counts(train_s, model.arch.vocab_size) if vocab_ids is not None else None
         log(f"train: starting from {a.init_draft} (its draft vocabulary: "
-            f"{'full' if vocab_ids is None else len(vocab_ids)})")
+            f"{'full' if start.vocab_ids is None else len(start.vocab_ids)}"
+            f"{'; widened to the full vocabulary' if a.widen_vocab and start.vocab_ids is not None else ''})")
     else:
         vocab_ids, counts = pick_vocab(a, train_s, model.arch.vocab_size, eos)
     cov = None
