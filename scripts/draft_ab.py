@@ -2,7 +2,7 @@
 
 `mleagle bench gpu` runs each draft in its own process, and on an H200 a speculative engine's batch-1
 speed moves by about 5 % from one process to the next (target-only does not): four alternating runs
-put one draft 6 % behind another that, served side by side in one process, is 2 % ahead of it. This
+put one draft 6 % behind another that, served side by side in one process, is 3 % ahead of it. This
 script builds one engine per draft (`none` = target-only) in one process, warms each up, then for R
 rounds (the engine order reversed every other round) sends each of the first P prompts alone, once for
 one token (the request's fixed cost: prefill, the draft layers' prefill, the first token) and once
