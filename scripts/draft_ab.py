@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from mleagle.engine.contract.config import data_dir
     from mleagle.engine.entrypoints.bench import read_first_turns
-    from mleagle.engine.entrypoints.bench_gpu import engine_for, gen_once, machine
+    from mleagle.engine.entrypoints.bench_gpu import encode_texts, engine_for, gen_once, machine
 
     drafts = a.drafts.split(",")
     n = a.max_new_tokens
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-new-tokens must be at least 2 (the first token is timed apart)")
     texts = read_first_turns(a.dataset, data_dir(None))[: a.prompts]
     engines = {d: engine_for(a.model, 1, n, 512, draft=d) for d in drafts}
-    prompts = [next(iter(engines.values())).encode_prompt(t, chat=True) for t in texts]
+    prompts = encode_texts(next(iter(engines.values())), texts)
     samples: dict[str, list[dict[str, Any]]] = {d: [] for d in drafts}
     for e in engines.values():  # warm-up: Triton JIT, cuBLAS heuristics, graph capture
         for p in prompts[:2]:

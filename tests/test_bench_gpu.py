@@ -40,3 +40,29 @@ def test_profile_kernel_families_and_table() -> None:
                                 "top_kernels": [{"name": "gemv", "per_token": 3.0, "us_per_token": 12.5}]}}
     text = bench_gpu.table(res)
     assert "first token 9.5 ms, then 0.61 ms/token" in text and "12.50 us/token" in text and "gemv" in text
+
+
+def test_draft_ab_serves_every_engine_from_one_process(tmp_path: Path) -> None:
+    """scripts/draft_ab.py: each engine times every prompt in every round (a 1-token and an N-token
+    request), target-only is the speed-up's base, and a draft's accept length pools its verifies."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draft_ab", Path(__file__).parents[1] / "scripts" / "draft_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "y" * (15 + 5 * i)}) + "\n" for i in range(4)))
+    out = tmp_path / "ab.json"
+    assert ab.main(["--model", "tiny-dummy", "--drafts", "none,random:2", "--dataset", str(data), "--prompts", "3",
+                    "--max-new-tokens", "6", "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 3 and set(res["summary"]) == {"none", "random:2"}
+    for rows in res["samples"].values():
+        assert sorted((x["round"], x["prompt"]) for x in rows) == [(r, i) for r in range(2) for i in range(3)]
+        assert all(x["tokens"] == 6 for x in rows)
+    assert res["summary"]["none"]["speedup"] == 1.0 and "accept_len" not in res["summary"]["none"]
+    s = res["summary"]["random:2"]
+    assert 1.0 <= s["accept_len"] <= 3.0 and s["ms_per_iteration"] > 0
+    assert all(x["verifies"] >= 5 / 3 for x in res["samples"]["random:2"])
+    with pytest.raises(SystemExit):
+        ab.main(["--model", "tiny-dummy", "--drafts", "none", "--dataset", str(data), "--max-new-tokens", "1"])

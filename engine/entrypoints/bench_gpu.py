@@ -217,6 +217,20 @@ def time_hf(model: Any, prompts: list[list[int]], n: int, pad: int, static: bool
 
 
 # --- the run --------------------------------------------------------------------------------------------
+RANDOM_PROMPTS = "random token ids (no tokenizer), len(text)//4 + 30 each"
+
+
+def encode_texts(engine: Any, texts: list[str]) -> list[list[int]]:
+    """Chat-templated token ids; a dummy-weight shape without a tokenizer gets random ids, about as long
+    as the chat prompts would be (`RANDOM_PROMPTS`)."""
+    if engine.tokenizer is not None:
+        return [engine.encode_prompt(t, chat=True) for t in texts]
+    import random
+
+    rnd = random.Random(0)
+    return [[rnd.randrange(engine.arch.vocab_size) for _ in range(len(t) // 4 + 30)] for t in texts]
+
+
 def engine_for(model: str, bs_max: int, n: int, prompts_len: int, **over: Any) -> Any:
     from mleagle.engine.core.engine import Engine
 
@@ -240,15 +254,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     res["dtype"] = base.cfg.engine.dtype
     res["graph_report"] = base.graph_report
     res["attention_backend"] = base.target.binding.backend.name
-    if base.tokenizer is not None:
-        prompts = [base.encode_prompt(t, chat=True) for t in texts[: max(bss) * a.batches]]
-    else:  # a dummy-weight shape without a tokenizer: random ids, about as long as the chat prompts would be
-        import random
-
-        rnd = random.Random(0)
-        v = base.arch.vocab_size
-        prompts = [[rnd.randrange(v) for _ in range(len(t) // 4 + 30)] for t in texts[: max(bss) * a.batches]]
-        res["prompts"] = "random token ids (no tokenizer), len(text)//4 + 30 each"
+    prompts = encode_texts(base, texts[: max(bss) * a.batches])
+    if base.tokenizer is None:
+        res["prompts"] = RANDOM_PROMPTS
     plen = max(len(p) for p in prompts)
     ref_tokens: dict[int, list[list[int]]] = {}
 
