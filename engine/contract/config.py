@@ -86,7 +86,7 @@ class ModelSource(BaseModel):
     # path is relative to the package root, e.g. "drafts/smollm2-135m-mtp3"), random:S, or none.
     default_draft: str = "none"
     # The devices the default draft loads on: where it was measured to pay. A draft can cost more than it
-    # saves (SmolLM2's is faster than target-only on an H200 and slower on one CPU core; figures in
+    # saves (SmolLM2's is faster than target-only on an H200, and on the CPU only at batch 1; figures in
     # configs/smollm2-135m.toml); elsewhere the engine runs target-only and says so at start-up.
     # `--draft PATH` loads it anywhere.
     default_draft_devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu", "cuda"])
