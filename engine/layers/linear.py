@@ -24,17 +24,18 @@ SKINNY_MIN_ROWS = {torch.float32: 1}  # other dtypes: 8
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, but on CPU with few rows (1..64 in float32, 8..64 otherwise) computed as (W @ x^T)^T.
 
-    Measured with MKL (torch 2.13), one thread, weights not in cache (SmolLM2's 30 layers and its
-    49152×576 head, float32):
+    Measured with MKL (torch 2.13) over SmolLM2's 30 layers and 49152×576 head, weights not in cache,
+    float32 (`scripts/bench_cpu_linear.py`, results/BENCH_CPU.md):
 
-    - From 2 to 7 rows, F.linear costs 2-4x one row's time, while the weight as the left operand costs
-      about one row's. A 4-row verify window over the head takes 8.3 ms against 16.6 ms, and the whole
-      model's GEMMs 43 ms against 66 ms.
+    - From 2 to 5 rows (one thread), F.linear costs 1.5-2.3x its one-row time, the weight as the left
+      operand 1.0-1.5x: the whole model's GEMMs take 29 ms against 72 ms at 2 rows, 46 against 61 at 4.
     - One row through F.linear takes MKL's matrix-vector path, which streams the weight at about half
-      the speed of the two-row matrix product. So one row goes in twice: the model's GEMMs take 29 ms
-      against 44 ms, and the head 6.1 ms against 9.6 ms.
-    - In bfloat16 the left-operand form loses below 8 rows (the head at 4 rows: 10.1 ms against 6.9 ms).
-    - From 8 to 64 rows it is 20-40 % faster in both dtypes (2x for a bfloat16 head at 32 rows).
+      the speed of the two-row product. So one row goes in twice: 30 ms against 41 ms.
+    - F.linear below 8 rows uses one thread only; with two threads the left-operand form is 1.2-4.6x
+      faster at every row count from 1 to 64. With one thread F.linear is 6-40 % faster from 7 rows
+      up. One rule serves both: torch's default is one thread per core.
+    - In bfloat16 the left-operand form loses below 8 rows (one thread: 48 ms against 34 ms at 4 rows);
+      from 8 rows an earlier measurement found it 20-40 % faster (2x for the head at 32 rows).
     """
     if x.dim() == 2 and x.device.type == "cpu" and SKINNY_MIN_ROWS.get(x.dtype, 8) <= x.shape[0] <= 64:
         y = left_operand(x, w)
