@@ -18,14 +18,14 @@ from typing import Any
 
 from mleagle.engine.contract.config import data_dir
 from mleagle.engine.entrypoints.bench import read_first_turns
-from mleagle.engine.entrypoints.bench_gpu import engine_for, gen_once
+from mleagle.engine.entrypoints.bench_gpu import encode_texts, engine_for, gen_once
 from mleagle.engine.executor import worker as W
 
 
 def main(draft: str) -> None:
     texts = read_first_turns("mt_bench", data_dir(None))[:8]
     e = engine_for("smollm2-135m", 1, 256, 512, draft=draft)
-    prompts = [e.encode_prompt(t, chat=True) for t in texts]
+    prompts = encode_texts(e, texts)
     wait = [0.0, 0]
     orig = W.TargetWorker.finish
 

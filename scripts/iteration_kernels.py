@@ -18,13 +18,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from mleagle.engine.contract.config import data_dir
 from mleagle.engine.entrypoints.bench import read_first_turns
-from mleagle.engine.entrypoints.bench_gpu import engine_for, gen_once, kernel_name
+from mleagle.engine.entrypoints.bench_gpu import encode_texts, engine_for, gen_once, kernel_name
 
 
 def main(draft: str) -> None:
     text = read_first_turns("mt_bench", data_dir(None))[0]
     e = engine_for("smollm2-135m", 1, 64, 512, draft=draft)
-    p = e.encode_prompt(text, chat=True)
+    p = encode_texts(e, [text])[0]
     gen_once(e, [p], 32)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         gen_once(e, [p], 64)

@@ -24,18 +24,19 @@ SKINNY_MIN_ROWS = {torch.float32: 1}  # other dtypes: 8
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, but on CPU with few rows (1..64 in float32, 8..64 otherwise) computed as (W @ x^T)^T.
 
-    Measured with MKL (torch 2.13) over SmolLM2's 30 layers and 49152×576 head, weights not in cache,
-    float32 (`scripts/bench_cpu_linear.py`, results/BENCH_CPU.md):
+    Measured with MKL (torch 2.13) over SmolLM2's 30 layers and 49152×576 head, weights not in cache
+    (`scripts/bench_cpu_linear.py`; results/cpu_linear/linear_*, results/BENCH_CPU.md):
 
-    - From 2 to 5 rows (one thread), F.linear costs 1.5-2.3x its one-row time, the weight as the left
-      operand 1.0-1.5x: the whole model's GEMMs take 29 ms against 72 ms at 2 rows, 46 against 61 at 4.
+    - float32, one thread, 2 to 4 rows: the whole model's GEMMs take 30 ms against 76 ms at 2 rows and
+      45 against 61 at 4.
     - One row through F.linear takes MKL's matrix-vector path, which streams the weight at about half
       the speed of the two-row product. So one row goes in twice: 30 ms against 41 ms.
-    - F.linear below 8 rows uses one thread only; with two threads the left-operand form is 1.2-4.6x
-      faster at every row count from 1 to 64. With one thread F.linear is 6-40 % faster from 7 rows
-      up. One rule serves both: torch's default is one thread per core.
-    - In bfloat16 the left-operand form loses below 8 rows (one thread: 48 ms against 34 ms at 4 rows);
-      from 8 rows an earlier measurement found it 20-40 % faster (2x for the head at 32 rows).
+    - float32, two threads: the left-operand form is 1.6x faster at one row, 2.1-4.5x at 2-4 rows, and
+      level by 64; F.linear with a few rows gains nothing from the second thread. With one thread F.linear
+      is the faster from 6 rows up (up to 1.7x, at 12 rows). One rule for both: torch's default is one
+      thread per core.
+    - bfloat16: F.linear is faster below 8 rows (two threads: 25 ms against 34 ms at 4 rows), and the
+      two are level from 8 to 64.
     """
     if x.dim() == 2 and x.device.type == "cpu" and SKINNY_MIN_ROWS.get(x.dtype, 8) <= x.shape[0] <= 64:
         y = left_operand(x, w)
