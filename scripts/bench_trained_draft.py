@@ -21,6 +21,7 @@ from mleagle.engine.contract.config import data_dir
 from mleagle.engine.contract.outputs import SpecStats
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
+from mleagle.engine.spec.reference import RecomputeSpecWorker
 
 
 def prompts(path: str, n: int) -> list[str]:
@@ -30,7 +31,8 @@ def prompts(path: str, n: int) -> list[str]:
 
 def run(draft: str, boundary_kv: str, texts: list[str], bs: int, n_new: int) -> dict:
     # recompute needs the prefix cache off; the other runs keep it off too, so all see the same prefills
-    e = Engine(draft=draft, boundary_kv=boundary_kv, max_running_requests=bs, enable_prefix_cache=False)
+    ref = {"spec_worker": RecomputeSpecWorker} if boundary_kv == "recompute" else {}
+    e = Engine(draft=draft, max_running_requests=bs, enable_prefix_cache=False, **ref)
     sp = SamplingParams(temperature=0.0, max_new_tokens=n_new)
     e.generate([texts[0]], SamplingParams(temperature=0.0, max_new_tokens=4), chat=True)  # warm-up
     if draft != "none":

@@ -34,6 +34,7 @@ import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
+from mleagle.engine.service.tp_driver import start_engine
 
 
 def sync() -> None:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for tp, layout, ig in plan:
         key = "tp1" if tp == 1 else f"tp2/{layout}" + ("" if ig else "/per_forward")
         t0 = time.perf_counter()
-        e = Engine(model, tp_size=tp, tp_layout=layout, iteration_graph=ig, **over)
+        e = start_engine(model, tp_size=tp, tp_layout=layout, iteration_graph=ig, **over)
         load_s = time.perf_counter() - t0
         try:
             r = measure(e, a, probe, timing)

@@ -6,7 +6,7 @@ reports and `load_state_dict`s the same dequantised tensors the engine loaded (l
 `mleagle.engine.model_loader.load_model`, so the two models share nothing at runtime).
 `EngineProbe` drives the engine's worker/runner directly: it allocates a request slot with the
 engine's memory manager, builds EXTEND batches with `worker.prefill_batch` (all logit rows) and DECODE
-batches with `worker.decode_batch`, runs them on `engine.target.forward`, and frees everything after.
+DECODE batches from host lists (`build_batch`), runs them on `engine.target.forward`, and frees everything after.
 No engine math is replaced: these are the same batches and forwards the scheduler uses.
 """
 
@@ -20,6 +20,7 @@ from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
 from mleagle.engine.core.request import Req
 from mleagle.engine.entrypoints.bench import hf_build
+from mleagle.engine.executor.forward_batch import ForwardMode, build_batch
 
 
 def hf_model(engine: Engine, dtype: torch.dtype = torch.float32):
@@ -78,7 +79,9 @@ class EngineProbe:
         r.output_ids.append(token)
         if not self.e.mem.ensure(r, r.kv_len + 1):
             raise RuntimeError("probe: KV pool too small")
-        out = self.e.target.forward(self.e.worker.decode_batch([r])).logits
+        b = build_batch(ForwardMode.DECODE, input_ids=[token], req_pool_indices=[r.req_pool_idx], prefix_lens=[r.kv_len],
+                        extend_lens=[1], req_to_token=self.e.worker.r2t, device=self.e.device, rids=(r.rid,))
+        out = self.e.target.forward(self.e.target.bind(b)).logits
         r.kv_len += 1
         return out[0]
 

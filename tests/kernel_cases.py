@@ -363,8 +363,6 @@ def case_greedy_accept(dtype: torch.dtype, device: torch.device) -> float:
     drafts made to match 0..S leading rows, a padded batch (pad rows not live, sharing the pad row),
     and the benchmark's forced count; emitted tokens, n, packed rows, logit rows and every slot-state
     field must be equal (returns the number of differing entries)."""
-    from mleagle.engine.spec import greedy
-
     gen = torch.Generator().manual_seed(5)
     s, w, v = 3, 4, 4100
     bad = 0
@@ -379,8 +377,8 @@ def case_greedy_accept(dtype: torch.dtype, device: torch.device) -> float:
                 st.drafts[rpi[b]] = torch.where(torch.arange(s, device=device) < b, pred[b, :s], pred[b, :s] + 1)
         outs = []
         for st, fused in zip(sts, (False, True)):
-            drafts = st.drafts[rpi].clone()
-            outs.append(greedy.accept(logits, w, drafts, rpi, live, st, torch.tensor(sim, device=device), fused=fused))
+            forced = torch.tensor(sim, device=device) if sim >= 0 else None
+            outs.append(st.verify_greedy(logits, w, rpi, live, forced, fused=fused))
         for a, b in zip(*outs):
             bad += int((a != b).sum())
         for f in ("last_tok", "n_out", "kv_len", "iters", "drafts"):
@@ -392,8 +390,6 @@ def case_greedy_draft_step(dtype: torch.dtype, device: torch.device) -> float:
     """The fused greedy draft step against the torch reference: argmax with ties over 3 blocks, mapped
     through a reduced vocabulary (and without one), written to the live rows' drafts, and the id window
     rotated with the new draft at each request's accepted count."""
-    from mleagle.engine.spec import greedy
-
     gen = torch.Generator().manual_seed(6)
     bad = 0
     for vocab in (None, torch.randperm(10000, generator=gen)[:6000].to(device)):
@@ -403,7 +399,7 @@ def case_greedy_draft_step(dtype: torch.dtype, device: torch.device) -> float:
         ids = torch.randint(0, 500, (3, 4), generator=gen).to(device)
         n = torch.tensor([0, 3, 1], device=device)
         sts = [_spec_state(device, 3, torch.Generator().manual_seed(7)) for _ in range(2)]
-        outs = [greedy.draft_step(logits, vocab, st, rpi, 1, live, ids, n, fused=f) for st, f in zip(sts, (False, True))]
+        outs = [st.draft_greedy(logits, vocab, rpi, 1, live, ids, n, fused=f) for st, f in zip(sts, (False, True))]
         for a, b in zip(*outs):
             bad += int((a != b).sum())
         bad += int((sts[0].drafts != sts[1].drafts).sum())

@@ -273,3 +273,33 @@ def all_free(e: Engine) -> bool:
     """Nothing held: every page free or only in the prefix cache (unlocked), every request slot free."""
     return (not e.mem.idle_problems() and not e.scheduler.reqs and not e.scheduler.running
             and not e.scheduler.waiting)
+
+
+class DraftBatches:
+    """Records the batch view of every draft runner forward, grouped by scheduler step (what the
+    speculative worker ran, as a test sees it: the worker itself keeps no copies)."""
+
+    def __init__(self, e: Engine):
+        self.e = e
+        self.by_step: dict[int, list[Any]] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def __enter__(self) -> DraftBatches:
+        for r in self.e.worker.drafts:  # type: ignore[attr-defined]
+            orig = r.forward
+
+            def fwd(batch: Any, orig: Any = orig) -> Any:
+                self.by_step.setdefault(self.e.scheduler.num_steps, []).append(batch)
+                return orig(batch)
+
+            r.forward = fwd  # type: ignore[method-assign]
+            self._undo.append(lambda r=r: delattr(r, "forward"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for u in self._undo:
+            u()
+
+    def last(self) -> list[Any]:
+        """The draft batches of the most recent step that ran any."""
+        return self.by_step[max(self.by_step)]

@@ -1,13 +1,14 @@
-"""The graph path's bookkeeping on the CPU: metadata parity, padding, binding refusal, exactness.
+"""The graph path's bookkeeping on the CPU: metadata checked at capture, padding, binding refusal, exactness.
 
 The graph runners run emulated here (`graph_emulate`): the same fixed buffers, bucket padding, row
 metadata and binding checks as on CUDA, with an eager forward in place of the replay. So these tests
 prove everything about the graph path except the CUDA graph itself (the GPU tests replay real graphs):
-capture-time and replay-time row metadata agree for every bucket, mode and layout, and a draft-extend
-replay that fills `[bs]` logprob rows where the forward makes bs·W is caught; padded rows write only the
-pad slot and no padding survives into a later, smaller batch; a graph runner refuses a batch bound to
-another runner; greedy speculative output through the graph path equals eager target-only output,
-and a seeded sampled request is the same alone and in a batch.
+the captured row metadata equals the rule's for every bucket, mode and layout and live batches replay
+through it; a draft-extend graph that records `[bs]` logprob rows where the forward makes bs·W, and a
+whole-iteration graph whose forwards disagree with the rule, fail at capture; padded rows write only
+the pad slot and no padding survives into a later, smaller batch; a graph runner refuses a batch
+bound to another runner; greedy speculative output through the graph path equals eager target-only
+output, and a seeded sampled request is the same alone and in a batch.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import dataclasses
 import pytest
 import torch
 
-from mleagle.engine.attention.base import BindingError
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
-from mleagle.engine.executor import graph_runner as gr
-from mleagle.engine.executor.forward_batch import ForwardMode, row_meta
-from mleagle.engine.executor.graph_runner import GraphRunner, MetaMismatch
+from mleagle.engine.executor.capture import MetaMismatch, default_buckets
+from mleagle.engine.executor.forward_batch import BindingError, ForwardMode, row_meta
+from mleagle.engine.executor.graph_runner import GraphRunner
+from mleagle.engine.executor.iteration_graph import IterationGraph
+from mleagle.engine.executor.slot_state import PLAIN
 from tests.spec_helpers import all_free, greedy, run, tiny_cfg, tiny_engine
 
 PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8]]
@@ -86,20 +88,29 @@ def test_capture_and_replay_metadata_agree(layout: str, tp: int) -> None:
                 r.graphs = saved
 
 
-def test_fault_injected_logprob_bs_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The seeds' bug: draft-extend replay filling [bs] logprob rows where the forward makes bs·W."""
+@pytest.mark.parametrize("tp,layout", [(1, "all_reduce"), (2, "scattered")])
+def test_wrong_logprob_rows_fail_at_capture(monkeypatch: pytest.MonkeyPatch, tp: int, layout: str) -> None:
+    """The seeds' bug: an un-pruned draft-extend graph recording [bs] logprob rows where the forward
+    makes bs·W. The capture check compares with a live batch of the bucket and refuses it."""
     e = _engine()
-    _admit(e, 3)
     d0 = e.runners[1]
-    g = GraphRunner(d0, mode=ForwardMode.DRAFT_EXTEND, width=d0.graphs.width, buckets=[4], hidden_size=e.arch.hidden_size,
-                    dtype=e.dtype, pruned=False, emulate=True)
-    g.capture()
-    d0.graphs = g
-    batch, _ = _live_batch(e, 1, 3)
-    d0.forward(batch)  # healthy
-    monkeypatch.setattr(gr, "FAULT_DRAFT_LOGPROB_BS", True)
-    with pytest.raises(MetaMismatch):
-        d0.forward(batch)
+
+    def graph() -> GraphRunner:
+        return GraphRunner(d0, mode=ForwardMode.DRAFT_EXTEND, width=d0.graphs.width, buckets=[1, 4],
+                           hidden_size=e.arch.hidden_size, dtype=e.dtype, pruned=False, emulate=True, tp_size=tp,
+                           layout=layout)  # type: ignore[arg-type]
+
+    graph().capture()  # healthy
+    real = GraphRunner._views
+
+    def faulty(self: GraphRunner, pbs: int):  # type: ignore[no-untyped-def]
+        v = real(self, pbs)
+        m = dataclasses.replace(v.row_meta, global_num_tokens_for_logprob=(pbs,) * tp)
+        return dataclasses.replace(v, row_meta=m)
+
+    monkeypatch.setattr(GraphRunner, "_views", faulty)
+    with pytest.raises(MetaMismatch, match="a live batch needs"):
+        graph().capture()
 
 
 def test_padded_rows_touch_only_the_pad_slot() -> None:
@@ -178,7 +189,7 @@ def test_seeded_sampling_is_batch_invariant_through_graphs() -> None:
 
 
 def test_buckets_cover_max_running() -> None:
-    assert gr.default_buckets(64)[-1] == 64 and gr.default_buckets(5) == [1, 2, 4, 5]
+    assert default_buckets(64)[-1] == 64 and default_buckets(5) == [1, 2, 4, 5]
     e = Engine(tiny_cfg(), graph_emulate=True, max_running_requests=20)
     assert e.runners[0].graphs.buckets[-1] == 20 and "emulated" in e.graph_report
 
@@ -214,13 +225,21 @@ def test_iteration_graph_padding_leaves_the_pad_row_and_other_slots_alone() -> N
         assert changed <= live_slots | {0} and 0 in changed, (pool.name, changed - live_slots)
 
 
-def test_iteration_graph_metadata_mismatch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_iteration_graph_metadata_mismatch_fails_at_capture() -> None:
+    """A whole-iteration graph whose rule says the draft-extend forwards are un-pruned (bs·W logprob rows)
+    while the body runs them pruned: its forwards disagree with the rule at capture, which refuses it."""
     e = _engine()
-    g = e.worker.iter_graph
+    w = e.worker
+    g = w.iter_graph
     assert g is not None and all(m.agree for cap in g.caps.values() for m in cap.meta)
-    _admit(e, 2)
-    # a replay whose draft-extend forwards would count [bs] logprob rows where un-pruned ones make bs·W
-    real = g.meta
-    monkeypatch.setattr(g, "meta", lambda pbs: real(pbs)[:1] + [row_meta(ForwardMode.DRAFT_EXTEND, pbs, 4)] * 3)
-    with pytest.raises(MetaMismatch):
-        e.step()
+
+    def body(rpi: torch.Tensor, live: torch.Tensor):  # type: ignore[no-untyped-def]
+        return w._body(rpi, live, PLAIN, w.capture_view(int(rpi.shape[0])), True, None)
+
+    real = w.iteration_meta
+    bad = IterationGraph("bad", body, lambda pbs: real(pbs)[:1] + [row_meta(ForwardMode.DRAFT_EXTEND, pbs, 4)] * 3,
+                         [1, 4], w.target.binding.req_to_token.pad_row, e.device, emulate=True)
+    with pytest.raises(MetaMismatch, match="a live batch of the bucket needs"):
+        bad.capture()
+    ok = IterationGraph("ok", body, real, [1, 4], w.target.binding.req_to_token.pad_row, e.device, emulate=True)
+    ok.capture()

@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from mleagle.engine.contract.event_bus import EventBus
 from mleagle.engine.contract.events import EngineEvent, PoolEvent
 from mleagle.engine.contract.sampling_params import SamplingParams
-from mleagle.engine.core.engine import Engine
+from mleagle.engine.core.engine import Engine, EngineInputError
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.radix_cache import RadixCache
+from mleagle.engine.service.telemetry import Telemetry
+from mleagle.engine.spec.reference import RecomputeSpecWorker
 from tests.spec_helpers import greedy, run, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -324,7 +325,8 @@ def test_prompt_logprobs_compute_the_whole_prompt() -> None:
 
 def test_cached_tokens_reported_and_events() -> None:
     e = tiny_engine("random:2")
-    e.events = EventBus()
+    bus = EventBus()
+    tel = Telemetry.attach(e, bus)
     p = _conversations(1, seed=9, stem=0)[0] + list(range(40, 60))
     outs: list[Any] = []
     for rid in ("a", "b"):
@@ -339,8 +341,8 @@ def test_cached_tokens_reported_and_events() -> None:
     assert fin["b"].num_cached_tokens == hit
     st = e.prefix_cache_stats()
     assert st is not None and st["queries"] == 2 * len(p) and st["hits"] == hit
-    e.telemetry.status()
-    evs = e.events.drain()
+    tel.status()
+    evs = bus.drain()
     pools = [x for x in evs if isinstance(x, PoolEvent)]
     last = {x.runner: x for x in pools}
     assert set(last) == {"target", "draft0", "draft1"}
@@ -352,11 +354,12 @@ def test_cached_tokens_reported_and_events() -> None:
 
 
 def test_recompute_policy_refuses_the_cache_at_start() -> None:
-    with pytest.raises(ValidationError, match="boundary_kv='recompute' needs the prefix cache off"):
-        Engine("tiny-dummy", draft="random:2", boundary_kv="recompute")
-    e = Engine("tiny-dummy", draft="random:2", boundary_kv="recompute", enable_prefix_cache=False)
+    with pytest.raises(EngineInputError, match="needs the prefix cache off"):
+        Engine("tiny-dummy", draft="random:2", spec_worker=RecomputeSpecWorker)
+    e = Engine("tiny-dummy", draft="random:2", spec_worker=RecomputeSpecWorker, enable_prefix_cache=False)
     assert e.mem.cache is None and e.prefix_cache_stats() is None
-    assert Engine("tiny-dummy", boundary_kv="recompute").mem.cache is not None  # no draft: nothing to recompute
+    # no draft: nothing to recompute, the cache stays on
+    assert Engine("tiny-dummy", spec_worker=RecomputeSpecWorker).mem.cache is not None
 
 
 # --- nothing leaks; a reference-count bug is caught -----------------------------------------------------

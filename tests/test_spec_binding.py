@@ -15,11 +15,18 @@ import itertools
 import pytest
 import torch
 
-from mleagle.engine.attention.base import BindingError
 from mleagle.engine.core.engine import Engine
-from mleagle.engine.executor.forward_batch import ForwardMode
+from mleagle.engine.executor.forward_batch import BindingError, ForwardMode
 from mleagle.engine.spec.checkpoint import save_draft
-from tests.spec_helpers import BindingSpy, binding_ok, greedy, oracle_engine, pools_touched_ok, snapshot
+from tests.spec_helpers import (
+    BindingSpy,
+    DraftBatches,
+    binding_ok,
+    greedy,
+    oracle_engine,
+    pools_touched_ok,
+    snapshot,
+)
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], list(range(20, 33)), [40]]
 MODES = ["EXTEND", "DRAFT_EXTEND"]
@@ -105,10 +112,11 @@ def test_step_views_share_everything_but_ids_and_hidden(chain: bool) -> None:
     e = oracle_engine(f"random:3:0:{'chain' if chain else 'nochain'}", noise=0.12)
     for i, p in enumerate(PROMPTS):
         e.add_request(f"r{i}", p, greedy(12))
-    e.step()  # prefill: every draft runner over the whole prompt
-    pre = list(e.worker.step_batches)
-    _step_until_decode(e)
-    dec = list(e.worker.step_batches)
+    with DraftBatches(e) as rec:
+        e.step()  # prefill: every draft runner over the whole prompt
+        pre = rec.last()
+        _step_until_decode(e)
+        dec = rec.last()
     for views, mode in ((pre, ForwardMode.EXTEND), (dec, ForwardMode.DRAFT_EXTEND)):
         assert len(views) == 3 and all(b.mode is mode for b in views)
         b0 = views[0]
@@ -133,8 +141,9 @@ def test_runners_and_backends_refuse_foreign_batches() -> None:
     e = oracle_engine("random:3")
     for i, p in enumerate(PROMPTS[:2]):
         e.add_request(f"r{i}", p, greedy(12))
-    _step_until_decode(e)
-    views = e.worker.step_batches
+    with DraftBatches(e) as rec:
+        _step_until_decode(e)
+    views = rec.last()
     d = e.worker.drafts
     with pytest.raises(BindingError):
         d[1].forward(views[0])
@@ -172,8 +181,9 @@ def test_seed_bug_is_caught(s: int, inject: bool, monkeypatch: pytest.MonkeyPatc
         e2.add_request(f"r{i}", p, greedy(12))
     _step_until_decode(e2)
     before = snapshot(pools)
-    _step_until_decode(e2)
-    ok_pools = pools_touched_ok(before, pools, e2.worker.step_batches[0].out_cache_loc)
+    with DraftBatches(e2) as rec:
+        _step_until_decode(e2)
+    ok_pools = pools_touched_ok(before, pools, rec.last()[0].out_cache_loc)
     if inject:
         assert not ok_bind and not ok_pools and not ok_oracle
         assert min(st.accepted_per_depth[1:]) < st.num_verify  # lost acceptance at depth >= 1

@@ -14,6 +14,7 @@ import torch
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
 from mleagle.engine.core.request import Req
+from mleagle.engine.spec.reference import RecomputeSpecWorker
 from tests.spec_helpers import tiny_engine
 
 PROMPT = [5, 17, 99, 3, 42, 8, 77, 120, 9, 31]
@@ -44,7 +45,8 @@ def _fresh_draft_kv(seq: list[int], upto: int) -> list[torch.Tensor]:
 
 
 def test_recompute_matches_a_fresh_pass_and_stale_does_not() -> None:
-    stale, recompute = tiny_engine("random:3"), tiny_engine("random:3", boundary_kv="recompute", enable_prefix_cache=False)
+    stale = tiny_engine("random:3")
+    recompute = tiny_engine("random:3", spec_worker=RecomputeSpecWorker, enable_prefix_cache=False)
     rs, rr = _run_until(stale, 6), _run_until(recompute, 6)
     assert rs.output_ids == rr.output_ids  # same target, same verified tokens
     assert stale.worker.boundary_kv_stale_positions > 0
@@ -62,7 +64,8 @@ def test_recompute_matches_a_fresh_pass_and_stale_does_not() -> None:
 def test_both_policies_are_exact() -> None:
     want = tiny_engine().generate([PROMPT, PROMPT[:4]], GREEDY)
     for pol in ("stale", "recompute"):
-        e = tiny_engine("random:3", boundary_kv=pol, enable_prefix_cache=pol == "stale")
+        ref = {"spec_worker": RecomputeSpecWorker} if pol == "recompute" else {}
+        e = tiny_engine("random:3", enable_prefix_cache=pol == "stale", **ref)
         got = e.generate([PROMPT, PROMPT[:4]], GREEDY)
         assert [c.token_ids for c in got] == [c.token_ids for c in want], pol
         assert not e.mem.idle_problems()

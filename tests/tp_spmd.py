@@ -13,9 +13,9 @@ target features through two blocks per step; greedy speculative output equals
 TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), with
 overlap scheduling forced on too, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
 regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
-(padded, split over the ranks), its gathered logits equal eager, and with `[bs]` fault-injected at
-capture the gathered logits at the selected rows come out wrong (injected at replay only, the parity
-check refuses the replay).
+(padded, split over the ranks) and its gathered logits equal eager; with `[bs]` injected into a
+graph's counts after its capture (what the capture check exists to stop) the gathered logits at the
+selected rows come out wrong; injected before, the capture check refuses the graph.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mleagle.engine.contract.event_bus import EventBus
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
-from mleagle.engine.executor import graph_runner as gr
+from mleagle.engine.executor.capture import MetaMismatch
 from mleagle.engine.executor.forward_batch import ForwardMode
-from mleagle.engine.executor.graph_runner import GraphRunner, MetaMismatch
-from mleagle.engine.service.ranks import Control, follow
+from mleagle.engine.executor.graph_runner import GraphRunner
+from mleagle.engine.service.telemetry import Telemetry
+from mleagle.engine.service.tp_driver import driver_of, start_engine
 from tests.spec_helpers import all_free, chaos, tiny_cfg
 
 PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8]]
@@ -49,7 +51,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def engine(draft: str, kv: int = 2, vocab: int = 256, **over: Any) -> Engine:
-    e = Engine(tiny_cfg(kv=kv, vocab=vocab), draft=draft, max_running_requests=12, **over)
+    e = start_engine(tiny_cfg(kv=kv, vocab=vocab), draft=draft, max_running_requests=12, **over)
     chaos(e)
     return e
 
@@ -72,20 +74,18 @@ def drive(e: Engine, rank: int, prompts: list[list[int]], params: list[SamplingP
     """Rank 0 generates (every step broadcast first); the others follow until rank 0 stops them."""
     if rank == 0:
         out = [c.token_ids for c in e.generate(prompts, params)]
-        e.ranks.send(Control(e._outbox, stop=True))  # the engine stays usable: a pause, not a close
-        e._outbox = []
+        driver_of(e).pause()  # the engine stays usable: a pause, not a close
         return out
-    follow(e)
+    driver_of(e).follow(e)
     return None
 
 
 def pause(e: Engine, rank: int) -> None:
     """Bring every rank to the same scheduler state: rank 0's queued messages, then a stop."""
     if rank == 0:
-        e.ranks.send(Control(e._outbox, stop=True))
-        e._outbox = []
+        driver_of(e).pause()
     else:
-        follow(e)
+        driver_of(e).follow(e)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,7 +149,7 @@ def check_logits(rank: int, res: dict[str, Any], fused: str) -> None:
 def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None:
     """Greedy speculative output equals TP=1 target-only output, eager and through graph runners. The
     eager runs also record rank 0's state events (what the daemon relays and the TUI shows)."""
-    from mleagle.engine.contract.event_bus import EventBus
+
     from mleagle.engine.contract.events import write_recording
 
     sps = [greedy(n) for n in LENS]
@@ -176,11 +176,13 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None
             e.scheduler.overlap = tag.endswith("overlap")
             # Rank 0's events of an eager run, and of a run whose decode steps are whole-iteration replays.
             ev_key = "events" if not emulate else "events_iter" if name.startswith("random:") else None
+            bus = None
             if rank == 0 and ev_key is not None and not extra and not tag:
-                e.events = EventBus()
+                bus = EventBus()
+                Telemetry.attach(e, bus)
             toks = drive(e, rank, PROMPTS, sps)
-            if e.events is not None:
-                evs = e.events.drain()
+            if bus is not None:
+                evs = bus.drain()
                 if ev_key == "events":
                     write_recording(os.path.join(outdir, f"events_{layout}.jsonl"), evs, source="tests/tp_spmd.py")
                 res.setdefault(ev_key, {})[layout] = [
@@ -248,39 +250,54 @@ def check_seed_regression(rank: int, res: dict[str, Any]) -> None:
     width = d0.graphs.width
     out: dict[str, Any] = {}
 
-    def run(fault: bool | str, bs: int) -> dict[str, Any]:
-        gr.FAULT_DRAFT_LOGPROB_BS = fault
+    real_views = GraphRunner._views
+
+    def faulty_views(self: GraphRunner, pbs: int) -> Any:
+        """SGLang's #26416: the bucket's logprob counts written as [bs] per rank where the forward makes bs·W."""
+        v = real_views(self, pbs)
+        m = dataclasses.replace(v.row_meta, global_num_tokens_for_logprob=(pbs,) * 2)
+        return dataclasses.replace(v, row_meta=m)
+
+    def run(fault: str, bs: int) -> dict[str, Any]:
+        """fault: "" (healthy), "capture" (injected before capture: the check must refuse the graph) or
+        "unchecked" (injected into a captured graph's views: the gathers inside run by the wrong counts)."""
+        g = GraphRunner(d0, mode=ForwardMode.DRAFT_EXTEND, width=width, buckets=[1, 2, 4, 6],
+                        hidden_size=e.arch.hidden_size, dtype=e.dtype, pruned=False, emulate=True,
+                        tp_size=2, layout="scattered")
+        refused = False
         try:
-            g = GraphRunner(d0, mode=ForwardMode.DRAFT_EXTEND, width=width, buckets=[1, 2, 4, 6],
-                            hidden_size=e.arch.hidden_size, dtype=e.dtype, pruned=False, emulate=True,
-                            tp_size=2, layout="scattered")
+            if fault == "capture":
+                GraphRunner._views = faulty_views  # type: ignore[method-assign]
             g.capture()
-            metas = {pbs: list(c.meta.global_num_tokens_for_logprob) for pbs, c in g.caps.items()}
-            batch = live_draft_batch(e, bs, width)
-            eager = d0.forward_eager(batch, observe=False).logits
-            saved, d0.graphs = d0.graphs, g
-            try:
-                got = d0.forward(batch).logits
-                refused = False
-            except MetaMismatch:
-                got, refused = None, True
-            finally:
-                d0.graphs = saved
+        except MetaMismatch:
+            refused = True
         finally:
-            gr.FAULT_DRAFT_LOGPROB_BS = False
-        # The selected rows: each request's last accepted row i·W + n_i (n_i = i mod W, every offset).
+            GraphRunner._views = real_views  # type: ignore[method-assign]
         sel = [i * width + i % width for i in range(bs)]
-        r: dict[str, Any] = {"metas": metas, "refused": refused, "bucket": g.bucket(bs), "sel": sel}
-        if got is not None:
-            r["max_rel_err_sel"] = rel_err(got[sel], eager[sel])
-            r["bad_sel_rows"] = [s for s in sel if rel_err(got[s], eager[s]) > 1e-5]
-            r["rows"] = int(got.shape[0])
+        r: dict[str, Any] = {"refused": refused, "bucket": g.bucket(bs), "sel": sel}
+        if refused:
+            return r
+        if fault == "unchecked":
+            for pbs in list(g._bucket_views):
+                g._bucket_views[pbs] = faulty_views(g, pbs)
+        r["metas"] = {pbs: list(g._views(pbs).row_meta.global_num_tokens_for_logprob) for pbs in g.caps}
+        batch = live_draft_batch(e, bs, width)
+        eager = d0.forward_eager(batch, observe=False).logits
+        saved, d0.graphs = d0.graphs, g
+        try:
+            got = d0.forward(batch).logits
+        finally:
+            d0.graphs = saved
+        # The selected rows: each request's last accepted row i·W + n_i (n_i = i mod W, every offset).
+        r["max_rel_err_sel"] = rel_err(got[sel], eager[sel])
+        r["bad_sel_rows"] = [s for s in sel if rel_err(got[s], eager[s]) > 1e-5]
+        r["rows"] = int(got.shape[0])
         return r
 
     for bs in (3, 5):
-        out[f"healthy/bs{bs}"] = run(False, bs)
+        out[f"healthy/bs{bs}"] = run("", bs)
+        out[f"fault_unchecked/bs{bs}"] = run("unchecked", bs)
         out[f"fault_capture/bs{bs}"] = run("capture", bs)
-        out[f"fault_replay/bs{bs}"] = run(True, bs)
     out["width"] = width
     res["seed"] = out
     e.scheduler.running.clear()

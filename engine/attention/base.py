@@ -23,14 +23,10 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from mleagle.engine.executor.forward_batch import ForwardBatch
+from mleagle.engine.executor.forward_batch import BindingError, ForwardBatch
 from mleagle.engine.layers.rope import RotaryEmbedding
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
-
-
-class BindingError(RuntimeError):
-    """A forward reached a runner, pool or backend it is not bound to."""
 
 
 class AttentionBackend(ABC):

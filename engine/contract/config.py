@@ -114,9 +114,6 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(4096, ge=16)  # cap on one EXTEND forward's tokens when not chunking
     draft: str | None = None  # PATH | random:S[:seed] | none; None: the model's `default_draft`
     spec_steps: int | None = Field(None, ge=1, le=MAX_SPEC_STEPS)
-    # "stale": draft layers keep boundary KV computed from drafts (the serving policy);
-    # "recompute": every draft layer re-runs over the whole sequence each iteration (reference, slow).
-    boundary_kv: Literal["stale", "recompute"] = "stale"
     # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
     enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)
@@ -175,16 +172,6 @@ class EngineConfig(BaseModel):
     # False runs the torch reference of the fused layers (add-RMSNorm, SiLU-and-mul) on CUDA too (debugging).
     fused_layers: bool = True
 
-    @model_validator(mode="after")
-    def _check(self) -> EngineConfig:
-        # draft None is resolved (to the model's default) and validated again by the Engine.
-        if self.boundary_kv == "recompute" and self.enable_prefix_cache and self.draft not in (None, "none", ""):
-            # Recompute re-runs every draft layer over the whole sequence from the target's hidden
-            # states, and a cache hit never computes those for its cached prefix.
-            raise ValueError("boundary_kv='recompute' needs the prefix cache off (enable_prefix_cache=false, "
-                             "--disable-prefix-cache): it re-runs the draft over the whole sequence from "
-                             "target hidden states that a cached prefix never computes")
-        return self
 
 
 class ServerConfig(BaseModel):

@@ -27,13 +27,31 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.core.request import Req, ReqState
-from mleagle.engine.executor.worker import Pending, StepResult, TargetWorker
+from mleagle.engine.executor.results import FwdInfo, Pending, StepResult
+from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.memory.manager import MemoryManager
 
 StopCutFn = Callable[[Req, int], "tuple[int, str] | None"]
+
+
+@dataclass
+class StepReport:
+    """What one step did, in host values, for whoever observes the engine (telemetry, benchmarks):
+    the mode, its forwards (the prefill's, or those of the decode iteration whose results this step
+    applied), that iteration (its counts and why it did not replay the whole-iteration graph), the
+    prompt tokens prefilled, the requests added since the last step, and the step's host time."""
+
+    step: int = 0
+    mode: str = "IDLE"  # EXTEND | DECODE | IDLE
+    forwards: list[FwdInfo] = field(default_factory=list)
+    finished: Pending | None = None
+    prefill_tokens: int = 0
+    added: list[tuple[str, int]] = field(default_factory=list)  # (rid, prompt tokens), set by the engine
+    duration_s: float = 0.0
 # A decoding request's KV grows in blocks of this many positions (while the pool has free pages), so
 # most decode steps allocate nothing and write no slot map.
 DECODE_GROW = 32
@@ -53,13 +71,10 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.num_steps = 0
         self.num_preemptions = 0
-        self.last_mode: str = "IDLE"
-        self.last_step_time = 0.0
+        self.report = StepReport()  # the last step's
         self.pending: list[RequestOutput] = []  # deltas produced outside the step's forward (errors)
         self.overlap = overlap
         self.inflight: Pending | None = None  # a decode step launched and not yet finished
-        self.last_finished: Pending | None = None  # the decode step whose results the last step applied
-        self.last_prefill = None  # the last EXTEND batch (telemetry)
         # Prefix cache, vLLM's counters: prompt tokens looked up and found, at first admission.
         self.prefix_queries = self.prefix_hits = 0
 
@@ -90,7 +105,7 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         aborts = [r for r in list(self.waiting) + self.running if r.abort_requested]
         results: list[tuple[Req, StepResult]] = []
-        self.last_finished = None
+        rep = StepReport(step=self.num_steps)
         if self.inflight is not None:
             # Steady decoding: launch the next step first, then finish the one in flight.
             nxt = None
@@ -100,29 +115,25 @@ class Scheduler:
                     nxt = self.worker.launch(reqs)
             done, self.inflight = self.inflight, nxt
             results = list(zip(done.reqs, self.worker.finish(done)))
-            self.last_finished = done
-            self.last_mode = "DECODE"
+            rep.mode, rep.finished, rep.forwards = "DECODE", done, done.forwards
         else:
             outputs += self._abort(aborts)
             aborts = []
             batch = self._schedule_prefill()
             if batch:
                 reqs, chunks = batch
-                self.last_mode = "EXTEND"
                 results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
-                self.last_prefill = self.worker.last_batch
+                rep.mode, rep.forwards, rep.prefill_tokens = "EXTEND", list(self.worker.forwards), sum(chunks)
             else:
                 reqs = self._schedule_decode()
                 if reqs:
-                    self.last_mode = "DECODE"
                     p = self.worker.launch(reqs)
+                    rep.mode = "DECODE"
                     if self.overlap:
                         self.inflight = p  # finished by the next step, after it launches its successor
                     else:
                         results = list(zip(p.reqs, self.worker.finish(p)))
-                        self.last_finished = p
-                else:
-                    self.last_mode = "IDLE"
+                        rep.finished, rep.forwards = p, p.forwards
         outputs += self.pending
         self.pending = []
         for req, res in results:
@@ -137,8 +148,14 @@ class Scheduler:
             if out.finished:
                 self.reqs.pop(out.rid, None)
         self.num_steps += 1
-        self.last_step_time = time.perf_counter() - t0
+        rep.duration_s = time.perf_counter() - t0
+        self.report = rep
         return outputs
+
+    @property
+    def last_mode(self) -> str:
+        """The last step's mode (EXTEND, DECODE or IDLE)."""
+        return self.report.mode
 
     def _abort(self, reqs: list[Req]) -> list[RequestOutput]:
         outs = []

@@ -372,7 +372,9 @@ def run(a: argparse.Namespace) -> int:
               file=sys.stderr)
         a.skip_hf = True
     report["tp_size"] = tp
-    engine = Engine(cfg, **over)
+    from mleagle.engine.service.tp_driver import start_engine
+
+    engine = start_engine(cfg, **over)
     # With a draft, the target-only engine runs beside it in the same process: the speculative
     # figure's baseline (and a greedy-exactness check) comes from the same run.
     target = None

@@ -313,10 +313,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     for c, over in (("spec", {}), ("spec-eager", {"cuda_graph": False}), ("spec-per-forward", {"iteration_graph": False})):
         if c not in configs:
             continue
-        e = engine_for(a.model, max(bss), a.max_new_tokens, plen, draft=a.draft, **over)
         sim = a.simulate_accept_len is not None
-        if sim:
-            e.worker.simulate_accepted = a.simulate_accept_len - 1
+        if sim:  # the measuring worker that forces every iteration's accepted count (output not the target's)
+            from mleagle.engine.spec.reference import ForcedAcceptSpecWorker
+
+            over = {**over, "spec_worker": ForcedAcceptSpecWorker,
+                    "spec_worker_kw": {"accept": a.simulate_accept_len - 1}}
+        e = engine_for(a.model, max(bss), a.max_new_tokens, plen, draft=a.draft, **over)
         kind = {"spec": "spec", "spec-eager": "spec eager", "spec-per-forward": "spec per-forward"}[c]
         label = f"{kind} {a.draft}" + (f" L={a.simulate_accept_len}" if sim else "")
         sweep(e, label, simulated=sim)

@@ -228,11 +228,11 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError("no prompts: give --prompt TEXT or --prompts-file FILE.jsonl")
     params = sampling_params(a)
     from mleagle.engine.contract.config import load_config
-    from mleagle.engine.core.engine import Engine
+    from mleagle.engine.service.tp_driver import start_engine
 
     cfg = load_config(a.model)
     t0 = time.perf_counter()
-    engine = Engine(cfg, **engine_overrides(a))
+    engine = start_engine(cfg, **engine_overrides(a))
     if not a.no_progress:
         print(f"mleagle: {cfg.model.name} ({engine.cfg.engine.dtype}, {engine.cfg.engine.device}) loaded in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)

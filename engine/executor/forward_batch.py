@@ -16,12 +16,58 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from mleagle.engine.executor.runner import StepBinding
+from mleagle.engine.memory.kv_pool import KVPool
+from mleagle.engine.memory.req_to_token import ReqToTokenPool
+
+
+class BindingError(RuntimeError):
+    """A forward reached a runner, pool or backend it is not bound to."""
+
+
+class Backend(Protocol):
+    """What a binding needs of an attention backend (`mleagle.engine.attention.base.AttentionBackend`):
+    the pools it was built for, and the plan it makes per forward."""
+
+    name: str
+    kv_pool: KVPool
+    req_to_token: ReqToTokenPool
+    supports_graphs: bool
+    needs_host_lens: bool
+
+    def plan(self, batch: ForwardBatch) -> None: ...
+
+    def init_graph(self, max_bs: int, max_width: int) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class StepBinding:
+    """Which runner, KV pool, request-to-token map and attention backend one forward uses. Each runner
+    owns exactly one, built with its own pool and backend; a batch carries the one it was bound to."""
+
+    name: str
+    kv_pool: KVPool
+    req_to_token: ReqToTokenPool
+    backend: Backend
+
+
+def check_binding(batch: ForwardBatch, binding: StepBinding, who: str) -> None:
+    """Refuse a batch bound to anything but `binding` (runner, graph runner: the one check of every path)."""
+    if batch.binding is not binding:
+        raise BindingError(f"{who} refuses a batch bound to {batch.binding.name if batch.binding else 'nothing'}")
+
+
+@dataclass
+class ForwardOutput:
+    """One forward's results: `num_logit_rows` logit rows and the last layer's hidden states."""
+
+    logits: torch.Tensor  # [num_logit_rows, V] float32
+    hidden: torch.Tensor  # [T, H] last layer's hidden before the final norm
+    graph_bs: int = 0  # the bucket a graph replay ran at; 0 = eager
+    eager_reason: str | None = None
 
 
 class ForwardMode(enum.Enum):

@@ -1,78 +1,44 @@
-"""CUDA-graph runners: one per model runner, fixed buffers, graphs keyed by (mode, padded batch size).
+"""CUDA-graph runners: one per model runner, fixed buffers, graphs keyed by padded batch size.
 
 A `GraphRunner` wraps one `ModelRunner` (the target, or draft runner k) and captures that runner's
 uniform forwards — DECODE, TARGET_VERIFY or DRAFT_EXTEND, W rows per request — for a list of batch-size
-buckets. Capture goes through the runner's own eager forward on a batch view of the graph runner's
-fixed buffers, bound to that runner, so the refusal of a foreign binding and the backend's plan check
-hold at capture exactly as in eager mode; `run` refuses a batch bound elsewhere before touching a
-buffer. A live batch of bs requests is copied into the buffers and padded to its bucket: padded rows
-use the pad request row (its request-to-token row is all zeros), so they read and write only the pad
-slot 0 and never a real request's KV, and they are rewritten on every replay so nothing of an earlier,
-larger batch leaks into a later one. Logits are cut back to `num_logit_rows` of the live batch.
+buckets, through the shared skeleton of `capture.py`. Capture goes through the runner's own eager
+forward on a batch view of the graph runner's fixed buffers, bound to that runner, so the refusal of a
+foreign binding and the backend's plan check hold at capture exactly as in eager mode; `run` refuses
+a batch bound elsewhere before touching a buffer. A live batch of bs requests is copied into the
+buffers and padded to its bucket: padded rows use the pad request row (its request-to-token row is
+all zeros), so they read and write only the pad slot 0 and never a real request's KV, and they are
+rewritten on every replay so nothing of an earlier, larger batch leaks into a later one. Logits are
+cut back to `num_logit_rows` of the live batch.
 
-Row counts come from one rule: each captured bucket records `row_meta(mode, padded bs, W, pruned)` (the
-per-rank token and logprob counts of the configured tensor-parallel layout) and a replay recomputes
-them from the live batch after padding; the two must agree (`MetaMismatch` otherwise), which is the
-check that would have caught a draft-extend graph recording `[bs]` logprob rows where the forward
-makes bs·W. Each bucket's batch view carries its captured metadata (`ForwardBatch.row_meta`), so the
-tensor-parallel gathers inside the captured forward are sized by exactly what the check compares. On a
-machine without CUDA (`emulate`), the same buffers, padding and metadata run with an eager forward
-instead of a replay, so the CPU tests exercise everything but the graph itself.
+Row counts come from one rule. Each bucket's batch view carries `row_meta(mode, padded bs, W, pruned)`
+for the configured tensor-parallel layout (`ForwardBatch.row_meta`), which sizes every gather inside
+the captured forward. At capture that metadata is checked against a live batch of the bucket built
+the way the worker builds one (from the request map, not the buffers) and, on CUDA, against the shapes
+the captured forward produced: a draft-extend graph recording `[bs]` logprob rows where the forward
+makes bs·W fails at start-up. A replay's metadata depends only on its bucket, so it is not rechecked.
+On a machine without CUDA (`emulate`), the same buffers, padding and metadata run with an eager
+forward instead of a replay, so the CPU tests exercise everything but the graph itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from mleagle.engine.attention.base import BindingError
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, Layout, RowMeta, row_meta
-
-if TYPE_CHECKING:
-    from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
-
-
-class MetaMismatch(AssertionError):
-    """A replay's row metadata differs from what its graph was captured with."""
-
-
-# Fault injection for the metadata tests: draft-extend logprob counts filled with [bs] where the forward
-# makes bs·W rows (the bug this project exists to never have). True: at replay only (the parity check
-# must catch it); "capture": at capture and replay alike (as SGLang's capture did), so parity holds and
-# the wrong counts drive the tensor-parallel gathers (the logits test must catch it). Never set outside
-# tests.
-FAULT_DRAFT_LOGPROB_BS: bool | str = False
-
-
-def default_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 to 64, every 16 to 256: dense where decode batches usually are."""
-    b = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16)]
-    return sorted({x for x in b if x < max_bs} | {max_bs})
-
-
-def bucket_for(buckets: list[int], bs: int) -> int | None:
-    """The smallest captured batch size (ascending `buckets`) that holds `bs` requests, or None."""
-    return next((b for b in buckets if b >= bs), None)
-
-
-@dataclass
-class Capture:
-    graph: torch.cuda.CUDAGraph | None
-    out: ForwardOutput | None
-    meta: RowMeta
-
-
-@dataclass
-class GraphStats:
-    replays: Counter[int] = field(default_factory=Counter)
-    eager: Counter[str] = field(default_factory=Counter)
-    capture_s: float = 0.0
-    capture_mb: float = 0.0
+from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, bucket_for, capture_buckets
+from mleagle.engine.executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    ForwardOutput,
+    Layout,
+    RowMeta,
+    check_binding,
+    row_meta,
+    uniform_batch,
+)
+from mleagle.engine.executor.runner import ModelRunner
 
 
 class GraphRunner:
@@ -109,7 +75,7 @@ class GraphRunner:
                      for k in self.buf]
         self._hi = mb  # requests' worth of rows that may hold live data (all of them before the first fill)
         self._bucket_views: dict[int, ForwardBatch] = {}
-        self.caps: dict[int, Capture] = {}
+        self.caps: dict[int, Capture[RowMeta, ForwardOutput]] = {}
         self.stats = GraphStats()
 
     # --- shapes -------------------------------------------------------------------------------
@@ -122,9 +88,8 @@ class GraphRunner:
 
     def _views(self, pbs: int) -> ForwardBatch:
         """The bucket's batch view over the fixed buffers (built once per bucket: the same objects, so a
-        graph captured on them reads the same addresses at every replay). It carries the bucket's row
-        metadata (`row_meta`): the per-rank counts the captured forward's tensor-parallel gathers are
-        sized by, which every replay of the bucket must reproduce (`run` checks)."""
+        graph captured on them reads the same addresses at every replay), carrying the bucket's row
+        metadata: the per-rank counts the captured forward's tensor-parallel gathers are sized by."""
         v = self._bucket_views.get(pbs)
         if v is None:
             w, tot = self.width, pbs * self.width
@@ -135,7 +100,7 @@ class GraphRunner:
                 logit_rows=self.buf["logit_rows"][: self.rows(pbs)], binding=self.runner.binding, width=w,
                 hidden_in=self.buf["hidden_in"][:tot] if "hidden_in" in self.buf else None, pruned=self.pruned,
                 max_seq_len=w, graph_bs=pbs)
-            v = self._bucket_views[pbs] = dataclasses.replace(v, row_meta=self.meta_of(v))
+            v = self._bucket_views[pbs] = dataclasses.replace(v, row_meta=v.meta(self.tp_size, self.layout))
         return v
 
     def static_batch(self, batch: ForwardBatch | None, pbs: int) -> ForwardBatch:
@@ -160,43 +125,57 @@ class GraphRunner:
         return dataclasses.replace(base, prefix_lens=list(batch.prefix_lens) + [0] * (pbs - bs), rids=batch.rids,
                                    max_seq_len=max(batch.max_seq_len, self.width))
 
-    def meta_of(self, sb: ForwardBatch) -> RowMeta:
-        """The metadata a padded static batch produces (at capture: all pad rows; at replay: live + pad)."""
-        m = sb.meta(self.tp_size, self.layout)
-        fault = FAULT_DRAFT_LOGPROB_BS
-        if fault and self.mode is ForwardMode.DRAFT_EXTEND and (sb.rids or fault == "capture"):
-            m = dataclasses.replace(m, global_num_tokens_for_logprob=(sb.bs,) * self.tp_size)
+    def live_meta(self, pbs: int) -> RowMeta:
+        """What a live batch of `pbs` requests needs, built as the workers build one (`uniform_batch` from
+        the request map, logit rows chosen per mode), not from this runner's buffers or `rows`."""
+        r2t = self.runner.binding.req_to_token
+        dev = r2t.req_to_token.device
+        w = self.width
+        rpi = torch.full((pbs,), self.pad_row, dtype=torch.int64, device=dev)
+        if self.mode is ForwardMode.DECODE:
+            rows = torch.arange(pbs, device=dev)
+        elif self.pruned:
+            rows = torch.arange(pbs, device=dev) * w + (w - 1)  # one row per request (any accepted count)
+        else:
+            rows = torch.arange(pbs * w, device=dev)
+        live = uniform_batch(self.mode, input_ids=torch.zeros(pbs, w, dtype=torch.int64, device=dev),
+                             req_pool_indices=rpi, kv_lens=torch.zeros(pbs, dtype=torch.int64, device=dev),
+                             req_to_token=r2t.req_to_token, width=w, host_kv_lens=[0] * pbs, max_seq_len=w,
+                             logit_rows=rows, pruned=self.pruned)
+        m = live.meta(self.tp_size, self.layout)
+        if int(live.logit_rows.shape[0]) != m.logit_rows:
+            raise MetaMismatch(f"{self.runner.name}: a live batch of {pbs} selects {live.logit_rows.shape[0]} logit "
+                               f"rows, the rule says {m.logit_rows}")
         return m
 
     # --- capture and replay --------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every bucket, largest first (so smaller graphs reuse the pool's memory)."""
-        t0 = time.perf_counter()
-        cuda = not self.emulate
-        free0 = torch.cuda.mem_get_info()[0] if cuda else 0
+        """Capture every bucket (largest first) through the runner's own eager forward."""
         backend = self.runner.binding.backend
         if backend.supports_graphs:
             backend.init_graph(self.buckets[-1], self.width)
-        for pbs in sorted(self.buckets, reverse=True):
-            sb = self.static_batch(None, pbs)
-            meta = sb.row_meta  # the bucket's: what the captured gathers are sized by (`_views`)
+
+        def prepare(pbs: int) -> RowMeta:
+            meta = self.static_batch(None, pbs).row_meta
             assert meta is not None
-            if int(sb.logit_rows.shape[0]) != meta.logit_rows:
-                raise MetaMismatch(f"{self.runner.name}: buffer of {sb.logit_rows.shape[0]} logit rows, rule {meta.logit_rows}")
-            if not cuda:
-                self.caps[pbs] = Capture(None, None, meta)
-                continue
-            for _ in range(2):  # warm-up: lazy inits, Triton JIT, cuBLAS handles, outside the capture
-                self.runner.forward_eager(sb, observe=False)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.runner.forward_eager(sb, observe=False)
-            self.caps[pbs] = Capture(g, out, meta)
-        if cuda:
-            torch.cuda.synchronize()
-            self.stats.capture_mb = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
-        self.stats.capture_s = time.perf_counter() - t0
+            return meta
+
+        def body(pbs: int) -> ForwardOutput:
+            return self.runner.forward_eager(self._views(pbs), observe=False)
+
+        def check(pbs: int, meta: RowMeta, out: ForwardOutput | None) -> None:
+            want = self.live_meta(pbs)
+            got = (meta, int(self._views(pbs).logit_rows.shape[0]))
+            if got != (want, want.logit_rows):
+                raise MetaMismatch(f"{self.runner.name} {self.mode.value} bucket {pbs}: graph records {meta} with "
+                                   f"{got[1]} logit rows; a live batch needs {want}")
+            if out is not None and (out.logits.shape[0], out.hidden.shape[0]) != (want.logit_rows, want.num_tokens):
+                raise MetaMismatch(f"{self.runner.name} bucket {pbs}: the captured forward made "
+                                   f"{tuple(out.logits.shape)} logits / {tuple(out.hidden.shape)} hidden; "
+                                   f"a live batch needs {want.logit_rows} / {want.num_tokens} rows")
+
+        self.caps = capture_buckets(self.buckets, prepare, body, check, emulate=self.emulate, pool=self.pool,
+                                    stats=self.stats)
 
     def fits(self, batch: ForwardBatch) -> str | None:
         """None when the batch can replay; else the reason it runs eagerly."""
@@ -213,18 +192,11 @@ class GraphRunner:
 
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         """Replay (or, emulated, run eagerly on the buffers) a batch that `fits`."""
-        from mleagle.engine.executor.runner import ForwardOutput
-
-        if batch.binding is not self.runner.binding:
-            raise BindingError(f"graph runner of {self.runner.name} refuses a batch bound to "
-                               f"{batch.binding.name if batch.binding else 'nothing'}")
+        check_binding(batch, self.runner.binding, f"graph runner of {self.runner.name}")
         pbs = self.bucket(batch.bs)
         assert pbs is not None
         cap = self.caps[pbs]
         sb = self.static_batch(batch, pbs)
-        meta = self.meta_of(sb)
-        if meta != cap.meta:
-            raise MetaMismatch(f"{self.runner.name} {self.mode.value} bs {batch.bs}→{pbs}: replay {meta} != capture {cap.meta}")
         if cap.graph is None:  # emulated: the same buffers and padding, an eager forward
             out = self.runner.forward_eager(sb, observe=False)
         else:

@@ -1,15 +1,16 @@
-"""Model runners and step bindings.
+"""Model runners: one model, its own KV pool, request map and attention backend, behind one binding.
 
-A `StepBinding` is the explicit value that says which runner, KV pool, request-to-token map and
-attention backend one forward uses. Each runner owns exactly one binding, built with its own pool
-and backend; `ModelRunner.bind(batch)` stamps a batch view with it and `ModelRunner.forward`
-refuses any batch that carries a different binding. There is no shared "current pool" anywhere, so
-a draft step cannot silently read or write another step's KV. Runners know nothing of speculation:
-the speculative worker composes them. A runner may own a `GraphRunner` (CUDA graphs of its uniform
-forwards): `forward` checks the binding first, then replays a captured graph when the batch fits one
-and runs eagerly otherwise, counting every eager forward by its reason. Under tensor parallelism an
-eager forward stamps the batch with the row-count rule's per-rank counts (`row_meta`) before the model
-runs, so every gather of the forward is sized by the rule.
+Each runner owns exactly one `StepBinding` (runner, KV pool, request-to-token map, backend), built
+with its own pool and backend; `ModelRunner.bind(batch)` stamps a batch view with it and every path
+into the model — `forward`, `forward_eager`, a graph replay, a graph capture (which runs
+`forward_eager` on the graph runner's buffers) — refuses a batch that carries a different binding
+(`check_binding`). There is no shared "current pool" anywhere, so a draft step cannot silently read or
+write another step's KV. Runners know nothing of speculation: the speculative worker composes them. A
+runner may own graphs (a `GraphRunner`, set by its worker's capture): `forward` replays a captured
+graph when the batch fits one and runs eagerly otherwise, counting every eager forward by its reason.
+Under tensor parallelism an eager forward stamps the batch with the row-count rule's per-rank counts
+(`row_meta`) before the model runs, so every gather of the forward is sized by the rule.
+`build_runner` makes a runner with pools sized for a model's attention layers.
 """
 
 from __future__ import annotations
@@ -17,49 +18,53 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from mleagle.engine.executor.graph_runner import GraphRunner
-
-from mleagle.engine.attention.base import AttentionBackend, BindingError
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, Layout, RowMeta, row_meta
+from mleagle.engine.attention import create_backend
+from mleagle.engine.executor.capture import GraphStats
+from mleagle.engine.executor.forward_batch import (
+    BindingError,
+    ForwardBatch,
+    ForwardMode,
+    ForwardOutput,
+    Layout,
+    RowMeta,
+    StepBinding,
+    check_binding,
+    row_meta,
+)
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
 
 
-@dataclass(frozen=True, eq=False)
-class StepBinding:
-    name: str
-    kv_pool: KVPool
-    req_to_token: ReqToTokenPool
-    backend: AttentionBackend
+class Graphs(Protocol):
+    """A runner's captured graphs (`GraphRunner`), as the runner and telemetry see them."""
 
+    mode: ForwardMode
+    width: int
+    buckets: list[int]
+    stats: GraphStats
 
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [num_logit_rows, V] float32
-    hidden: torch.Tensor  # [T, H] last layer's hidden before the final norm
-    graph_bs: int = 0  # the bucket a graph replay ran at; 0 = eager
-    eager_reason: str | None = None
+    def fits(self, batch: ForwardBatch) -> str | None: ...
+
+    def run(self, batch: ForwardBatch) -> ForwardOutput: ...
 
 
 class ModelRunner:
     def __init__(self, name: str, model: nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
-                 backend: AttentionBackend):
+                 backend: Any):
         if backend.kv_pool is not kv_pool or backend.req_to_token is not req_to_token:
             raise BindingError(f"runner {name}: backend built for other pools")
         self.name = name
         self.model = model
         self._binding = StepBinding(name, kv_pool, req_to_token, backend)
         self.num_forwards = 0
-        # Called after every forward with (runner, batch, output): the engine's telemetry hook.
+        # Called after every forward with (runner, batch, output): the engine process's telemetry hook.
         self.observer: Callable[[ModelRunner, ForwardBatch, ForwardOutput], None] | None = None
-        self.graphs: GraphRunner | None = None
+        self.graphs: Graphs | None = None
         self.no_graph_reason = "cpu" if kv_pool.k[0].device.type == "cpu" else "disabled"
         self.eager: Counter[str] = Counter()  # eager forwards by why no graph ran
 
@@ -95,26 +100,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        if batch.binding is not self.binding:
-            raise BindingError(f"runner {self.name} refuses a batch bound to "
-                               f"{batch.binding.name if batch.binding else 'nothing'}")
+        """Replay a graph where the batch fits one, else run eagerly (and count why)."""
+        check_binding(batch, self.binding, f"runner {self.name}")
         why = self.graphs.fits(batch) if self.graphs is not None else self.no_graph_reason
-        if why is None:
-            assert self.graphs is not None
-            res = self.graphs.run(batch)
-            self.num_forwards += 1
-            if self.observer is not None:
-                self.observer(self, batch, res)
-            return res
-        self.eager[why] += 1
-        return self.forward_eager(batch, reason=why)
+        if why is not None:
+            self.eager[why] += 1
+            return self.forward_eager(batch, reason=why)
+        assert self.graphs is not None
+        res = self.graphs.run(batch)
+        self.num_forwards += 1
+        if self.observer is not None:
+            self.observer(self, batch, res)
+        return res
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch, *, observe: bool = True, reason: str | None = None) -> ForwardOutput:
         """The reference forward (graph capture runs it too, on the graph runner's buffers)."""
-        if batch.binding is not self.binding:
-            raise BindingError(f"runner {self.name} refuses a batch bound to "
-                               f"{batch.binding.name if batch.binding else 'nothing'}")
+        check_binding(batch, self.binding, f"runner {self.name}")
         if self.tp_size > 1 and batch.row_meta is None:
             # Every tensor-parallel gather of this forward is sized by the one row-count rule.
             batch = dataclasses.replace(batch, row_meta=self.row_meta(batch))
@@ -133,3 +135,21 @@ class ModelRunner:
             if self.observer is not None:
                 self.observer(self, batch, res)
         return res
+
+
+def rank_heads(model: nn.Module) -> tuple[int, int]:
+    """(query heads, KV heads) of this rank's attention in `model` (a target or one draft layer)."""
+    block = getattr(model, "block", None)
+    attn = block.self_attn if block is not None else model.layers[0].self_attn  # type: ignore[index,union-attr]
+    return int(attn.hq), int(attn.hk)
+
+
+def build_runner(name: str, model: nn.Module, *, num_slots: int, head_dim: int, backend: str, max_reqs: int,
+                 max_context: int, dtype: torch.dtype, device: torch.device | str, page_size: int) -> ModelRunner:
+    """A runner with its own KV pool (this rank's KV heads for each of the model's attention layers,
+    `num_kv_layers`: the target's decoder layers or a draft step's blocks), request-to-token map and
+    attention backend."""
+    hq, hk = rank_heads(model)
+    pool = KVPool(name, int(model.num_kv_layers), num_slots, hk, head_dim, dtype, device, page_size)
+    r2t = ReqToTokenPool(name, max_reqs, max_context, device)
+    return ModelRunner(name, model, pool, r2t, create_backend(backend, pool, r2t, hq))

@@ -9,7 +9,10 @@ values back: nothing done per step copies a request's history, so a step costs t
 and at token 10,000. The extra last row is the pad row: graph padding reads it and nothing writes it.
 Rows are (re)filled when a request is admitted, in one batched copy per field; a few numpy mirrors
 give the host the per-batch flags (any penalties, any filters, the largest logprobs count) without a
-device read.
+device read. Every write to the state goes through a method of this class: admission, the first token
+of a prefill and every iteration's commit, greedy speculation's fused accept and draft steps (the
+torch reference here, the Triton kernels of `mleagle.engine.kernels.spec_step` on CUDA, which take the
+tensors this class hands them), and the drafts and draft distributions of sampled speculation.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ import numpy as np
 import torch
 
 from mleagle.engine.core.request import Req
+from mleagle.engine.executor.results import pack
+from mleagle.engine.kernels import fused_layers_on
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows
+
+PLAIN = RowFlags()
+
+
+def accepted(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance: the number of leading drafts [bs, S] equal to the target's argmax of the rows
+    before them (pred [bs, W]), per request."""
+    return (drafts == pred[:, : drafts.shape[1]]).to(torch.int64).cumprod(1).sum(1)
 
 
 class SlotState:
@@ -53,6 +66,11 @@ class SlotState:
         self.h_minnew = np.zeros(r, np.int64)
         self.h_lp = np.full(r, -1, np.int64)
         self._ar = torch.arange(max(steps, 1) + 1, device=device)
+        self._unforced = full(-1, i64)[0]  # "no forced acceptance" for the greedy accept kernel
+
+    def arange(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device for n ≤ S+1 (a verify window's rows), without allocating per step."""
+        return self._ar[:n]
 
     # --- admission ---------------------------------------------------------------------------
     def admit(self, reqs: Sequence[Req]) -> None:
@@ -170,11 +188,14 @@ class SlotState:
         return counts, seen, ban
 
     def commit(self, rpi: torch.Tensor, tokens: torch.Tensor, n_emit: torch.Tensor, flags: RowFlags,
-               kv: bool = True, live: torch.Tensor | None = None) -> None:
+               kv: bool = True, live: torch.Tensor | None = None, iteration: bool = False) -> None:
         """Advance the rows after an iteration: tokens [bs, W] (the first n_emit[b] valid). A decode or
-        verify iteration wrote KV for n_emit positions (`kv`); a prefill's first token wrote none. With
+        verify iteration wrote KV for n_emit positions (`kv`); a prefill's first token wrote none; a
+        speculative iteration also counts itself (`iteration`: the RNG key's iteration field). With
         `live` (graph padding), rows where it is False keep their values: padded rows all name the pad
         row, which nothing may change."""
+        if iteration:
+            self.iters[rpi] += 1 if live is None else live.to(torch.int64)
         bs, w = tokens.shape
         last = tokens.gather(1, (n_emit - 1).view(-1, 1)).view(-1)
         if live is None:
@@ -192,3 +213,60 @@ class SlotState:
             valid = (self._ar[:w].view(1, -1) < n_emit.view(-1, 1)).to(torch.int32)
             self.counts.index_put_((rpi.view(-1, 1).expand(bs, w).reshape(-1), tokens.reshape(-1)),
                                    valid.reshape(-1), accumulate=True)
+
+    # --- speculation ---------------------------------------------------------------------------
+    def verify_greedy(self, logits: torch.Tensor, w: int, rpi: torch.Tensor, live: torch.Tensor | None,
+                      forced: torch.Tensor | None = None, fused: bool | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A plain greedy verify's accept and commit: logits [bs·W, V] of the verify rows → (emitted
+        [bs, W]: accepted drafts then the target's argmax, the first n+1 valid; n [bs] accepted drafts;
+        the packed result [bs, W+1]; sel [bs]: each request's draft-extend logit row b·W + n). Commits
+        the live rows (n+1 tokens and KV positions, one iteration). `forced` (a device scalar ≥ 0, for
+        measurement only) overrides the accepted count; `fused` forces a side (the kernel tests)."""
+        sim = self._unforced if forced is None else forced
+        drafts = self.drafts[rpi]
+        if fused_layers_on(logits) if fused is None else fused:
+            from mleagle.engine.kernels.spec_step import greedy_accept
+
+            return greedy_accept(logits, w, rpi, live, sim, self.drafts, self.last_tok, self.n_out, self.kv_len,
+                                 self.iters)
+        s, bs = w - 1, int(rpi.shape[0])
+        pred = logits.argmax(-1).view(bs, w)
+        n = torch.where(sim >= 0, sim.clamp(max=s), accepted(drafts, pred))
+        # Accepted drafts (equal to the target's argmax unless forced), then the target's tokens from row n.
+        emitted = torch.where(self._ar[:w].view(1, w) < n.view(-1, 1), torch.cat([drafts, drafts[:, -1:]], 1), pred)
+        n_emit = n + 1
+        self.commit(rpi, emitted, n_emit, PLAIN, live=live, iteration=True)
+        sel = torch.arange(bs, device=logits.device) * w + n
+        return emitted, n, pack(emitted, n_emit, None, w), sel
+
+    def draft_greedy(self, logits: torch.Tensor, vocab_ids: torch.Tensor | None, rpi: torch.Tensor, k: int,
+                     live: torch.Tensor | None, ids: torch.Tensor, n: torch.Tensor, fused: bool | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy draft step: draft k+1 of each request from the draft's logits [bs, Vd] (argmax, mapped
+        through `vocab_ids` when the draft has a reduced vocabulary), written to the live rows' drafts,
+        and the next step's id window: `ids` [bs, W] rotated left by one, the new draft at column n (the
+        last accepted row). Returns (drafts [bs], the new window)."""
+        if fused_layers_on(logits) if fused is None else fused:
+            from mleagle.engine.kernels.spec_step import greedy_draft_step
+
+            return greedy_draft_step(logits, vocab_ids, self.drafts, rpi, k, live, ids, n)
+        idx = logits.argmax(-1)
+        d = idx if vocab_ids is None else vocab_ids[idx]
+        self.set_drafts(rpi, k, d, live)
+        return d, rotate(ids, n, d)
+
+    def set_drafts(self, rpi: torch.Tensor, k: int, d: torch.Tensor, live: torch.Tensor | None = None) -> None:
+        """Draft k+1 of the rows `rpi` (live rows only under graph padding)."""
+        self.drafts[rpi, k] = d if live is None else torch.where(live, d, self.drafts[rpi, k])
+
+    def set_draft_q(self, rpi: torch.Tensor, k: int, q: torch.Tensor) -> None:
+        """The distribution draft k+1 was drawn from [bs, V] (rejection sampling reads it at verify)."""
+        if self.draft_q is None:
+            self.draft_q = torch.zeros(self.pad_row + 1, self.steps, self.vocab, dtype=torch.float32, device=self.device)
+        self.draft_q[rpi, k] = q
+
+
+def rotate(ids: torch.Tensor, n: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The next draft step's id window: every window [bs, W] shifted left by one, draft d [bs] at column n."""
+    return torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))

@@ -1,158 +1,69 @@
 """The target-only worker: prefill chunks and decode steps over the target runner, device-resident.
 
 A worker turns scheduled requests into forward batches, runs them on its runners and samples. The
-scheduler owns memory and request life; the worker owns forwards and the per-slot device state
-(`SlotState`). Prefill is eager and host-described (ragged chunks); a decode step is `launch` (gather
-the batch's rows from the slot state, forward — a graph replay where one is captured — sample,
-scatter the new state back, and start one non-blocking copy of the results into pinned memory) then
-`finish` (wait for that copy, turn it into per-request results). Nothing in between reads the device,
-so the engine can launch step N+1 before it finishes step N (overlap scheduling). The speculative
-worker (`mleagle.engine.spec.worker`) implements the same interface with draft runners beside the
-target. `lookahead` says how many KV positions one decode step writes per request beyond `kv_len`.
-A request that hit the prefix cache starts with `kv_len` at its cached length, so prefill computes only
+scheduler owns memory and request life; the worker owns forwards, the per-slot device state
+(`SlotState`) and its runners' CUDA graphs (`capture_graphs`: each runner's uniform forward through
+a `GraphRunner`, and the whole device-side iteration through an `IterationGraph`, both on the one
+capture skeleton). Prefill is eager and host-described (ragged chunks); a decode step is `launch`
+(gather the batch's rows from the slot state, forward, sample, scatter the new state back, and start
+one non-blocking copy of the results into pinned memory) then `finish` (wait for that copy, turn it
+into per-request results). `launch` replays the whole-iteration graph where `iteration_miss` finds no
+reason against it, and otherwise runs the same body with each forward replaying its runner's graph or
+running eagerly; the reason is kept with the step. Nothing in between reads the device, so the engine
+can launch step N+1 before it finishes step N (overlap scheduling). The speculative worker
+(`mleagle.engine.spec.worker`) overrides the iteration body, the forwards it reports and the graph
+modes. `lookahead` says how many KV positions one decode step writes per request beyond `kv_len`. A
+request that hit the prefix cache starts with `kv_len` at its cached length, so prefill computes only
 the rest.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from mleagle.engine.contract.outputs import TokenLogprob
 from mleagle.engine.core.request import Req
+from mleagle.engine.executor.capture import default_buckets
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
+    ForwardOutput,
     RowMeta,
     build_batch,
     uniform_batch,
 )
+from mleagle.engine.executor.graph_runner import GraphRunner
 from mleagle.engine.executor.iteration_graph import IterationGraph
-from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
-from mleagle.engine.executor.slot_state import SlotState
+from mleagle.engine.executor.results import FwdInfo, HostView, Pending, StepResult, Timer, pack, unpack
+from mleagle.engine.executor.runner import ModelRunner
+from mleagle.engine.executor.slot_state import PLAIN, SlotState
 from mleagle.engine.sampling.processor import RowFlags, penalize
 from mleagle.engine.sampling.sampler import logprobs, sample
 
+log = logging.getLogger("mleagle.engine")
 
-@dataclass
-class StepResult:
-    """New tokens (and their logprobs, when asked) for one request from one step."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-class Timer:
-    """Marks on the device's timeline (CUDA events) or the host clock (CPU); read after the sync."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def spans(self) -> list[float]:
-        """Seconds between consecutive marks. On CUDA this waits for the last mark (a no-op once a later
-        sync covered it): an event the device has not reached yet has no time to read."""
-        m = self.marks
-        if self.cuda:
-            if m:
-                m[-1].synchronize()
-            return [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(len(m) - 1)]
-        return [m[i + 1] - m[i] for i in range(len(m) - 1)]
+# body(rpi, live, flags, host, eager, timer) -> (packed result, row metadata of every forward it ran)
+IterationBody = Callable[[torch.Tensor, "torch.Tensor | None", RowFlags, HostView, bool, "Timer | None"],
+                         tuple[torch.Tensor, list[RowMeta]]]
 
 
 @dataclass(frozen=True)
-class FwdInfo:
-    """What one forward of an iteration was, for events: host values only (no tensors kept)."""
+class GraphSettings:
+    """What graph capture may do: per-forward graphs (`cuda_graph`, or `emulate` on a CPU: the same
+    buffers and padding with eager forwards), whole-iteration graphs (`iteration`), the largest
+    bucket, and the tensor-parallel size (a rank cannot fall back to eager alone)."""
 
-    runner: str
-    mode: str
-    bs: int
-    rids: tuple[str, ...]
-    tokens_per_req: list[int]
-    num_tokens: int
-    graph_bs: int  # the bucket it replayed at; 0 = eager
-    eager_reason: str | None
-    # A forward inside a whole-iteration replay (no runner observer saw it): its row counts by the rule,
-    # per rank, for the live batch (the replay checked its bucket's against the capture's).
-    meta: RowMeta | None = None
-
-    @staticmethod
-    def of(runner: str, b: ForwardBatch, graph_bs: int, why: str | None, bs: int | None = None) -> FwdInfo:
-        n = b.bs if bs is None else bs
-        return FwdInfo(runner, b.mode.value, n, b.rids, [b.width] * n if b.mode.uniform else list(b.extend_lens),
-                       n * b.width if b.mode.uniform else b.num_tokens, graph_bs, why)
-
-
-@dataclass
-class Pending:
-    """An iteration launched on the device whose results are still on their way back."""
-
-    reqs: list[Req]
-    width: int  # token slots per request in the packed result
-    flags: RowFlags
-    packed: torch.Tensor  # host (pinned on CUDA) float64 [bs, K]: tokens, emitted count, logprobs
-    done: torch.cuda.Event | None
-    timer: Timer
-    epoch: list[int]  # each request's epoch at launch: a request preempted since gets no results
-    forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
-
-
-@dataclass(frozen=True)
-class HostView:
-    """The host's description of a decode batch: KV lengths as the host knows them (one iteration behind
-    the device's while a step is in flight), a bound covering the device's, and the request ids."""
-
-    kv_lens: list[int]
-    max_seq_len: int
-    rids: tuple[str, ...]
-
-
-def pack(tokens: torch.Tensor, n_emit: torch.Tensor, lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-         width: int) -> torch.Tensor:
-    """One float64 [bs, K] tensor (ids < 2^53 and float32 logprobs are exact in float64), so one copy
-    carries the whole iteration back: K = W tokens + 1 count (+ W·(1 + 2N) logprob fields)."""
-    bs = tokens.shape[0]
-    parts = [tokens.view(bs, width).double(), n_emit.view(bs, 1).double()]
-    if lp is not None:
-        chosen, tv, ti = lp
-        n = tv.shape[1]
-        parts += [chosen.view(bs, width).double(), tv.view(bs, width * n).double(), ti.view(bs, width * n).double()]
-    return torch.cat(parts, dim=1)
-
-
-def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
-    """Per request: the emitted tokens, and their logprobs where the request asked for them."""
-    w = p.width
-    rows = p.packed.tolist()
-    top_n = max(p.flags.logprobs, 0)
-    res = []
-    for r, row in zip(p.reqs, rows):
-        n = int(row[w])
-        toks = [int(t) for t in row[:n]]
-        lps = None
-        if p.flags.logprobs >= 0 and r.params.logprobs is not None:
-            base = w + 1
-            chosen = row[base : base + w]
-            tv = row[base + w : base + w + w * top_n]
-            ti = row[base + w + w * top_n : base + w + 2 * w * top_n]
-            k = r.params.logprobs
-            lps = [TokenLogprob(token_id=toks[j], logprob=chosen[j],
-                                top=[(int(ti[j * top_n + i]), tv[j * top_n + i]) for i in range(k)])
-                   for j in range(n)]
-        res.append((toks, lps))
-    return res
+    cuda_graph: bool = True
+    emulate: bool = False
+    iteration: bool = True
+    max_bs: int = 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 class TargetWorker:
@@ -171,15 +82,113 @@ class TargetWorker:
         self.inflight = 0  # iterations launched and not yet finished (0 or 1)
         self.forwards: list[FwdInfo] = []  # the last launch's forwards
         self.iter_graph: IterationGraph | None = None  # whole-iteration graphs (plain greedy batches)
+        self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
+        self._ar = torch.arange(128, device=self.device)
 
     @property
     def runners(self) -> list[ModelRunner]:
         return [self.target]
 
     @property
+    def width(self) -> int:
+        """Token rows per request in one decode iteration."""
+        return 1
+
+    @property
     def r2t(self) -> torch.Tensor:
         return self.target.binding.req_to_token.req_to_token
+
+    # --- graphs -------------------------------------------------------------------------------------
+    def graph_mode(self, r: ModelRunner) -> tuple[ForwardMode, int, bool]:
+        """(mode, width, pruned) of runner r's uniform forward in a decode iteration."""
+        return ForwardMode.DECODE, 1, False
+
+    def iteration_meta(self, pbs: int) -> list[RowMeta]:
+        """The rule's row counts of every forward of one iteration at batch size `pbs`."""
+        metas = []
+        for r in self.runners:
+            mode, w, pruned = self.graph_mode(r)
+            metas.append(r.rule_meta(mode, pbs, w, pruned=pruned))
+        return metas
+
+    def capture_graphs(self, s: GraphSettings) -> str:
+        """CUDA graphs for every runner's uniform forward, each captured against that runner's own
+        binding, then whole-iteration graphs where every runner has graphs and no backend plans from
+        host lengths (a single replay leaves no room to plan each forward). Returns the start-up
+        report: what was captured, its memory and its time (or why not)."""
+        cuda = self.device.type == "cuda"
+        if not s.cuda_graph or not (cuda or s.emulate):
+            for r in self.runners:
+                r.no_graph_reason = "disabled" if cuda or not s.cuda_graph else "cpu"
+            self.graph_report = "cuda graphs: off" + ("" if cuda else " (cpu)")
+            return self.graph_report
+        buckets = default_buckets(s.max_bs)
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        self._arange(buckets[-1] * self.width)  # grown before any capture, never inside one
+        lines = []
+        for r in self.runners:
+            if cuda and not r.binding.backend.supports_graphs:
+                r.no_graph_reason = f"backend {r.binding.backend.name}"
+                lines.append(f"{r.name}: eager (backend {r.binding.backend.name} cannot be captured)")
+                continue
+            mode, w, pruned = self.graph_mode(r)
+            # A draft-extend graph's input hidden is as wide as its layer reads (fused target features).
+            hidden = int(getattr(r.model, "hidden_in_size", 0))
+            g = GraphRunner(r, mode=mode, width=w, buckets=buckets, hidden_size=hidden, dtype=s.dtype,
+                            pruned=pruned, emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
+            why = self._try_capture(r.name, g.capture, s)
+            if why is not None:
+                r.no_graph_reason = why
+                lines.append(f"{r.name}: eager ({why})")
+                continue
+            r.graphs = g
+            lines.append(f"{r.name}: {mode.value} W={w} buckets {g.buckets[0]}..{g.buckets[-1]} "
+                         f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        lines.append(self._capture_iteration(buckets, pool, cuda, s))
+        self.graph_report = "cuda graphs" + (" (emulated)" if not cuda else "") + ":\n  " + "\n  ".join(lines)
+        log.info(self.graph_report)
+        return self.graph_report
+
+    def _try_capture(self, what: str, capture: Callable[[], None], s: GraphSettings) -> str | None:
+        """Run a capture; None when it worked, else why it did not (the forwards then run eagerly).
+        Under tensor parallelism a failure ends the engine instead: an eager forward's collectives are
+        sized by the live batch, a replay's by its bucket, so a rank that fell back alone would no
+        longer meet the others."""
+        try:
+            capture()
+            return None
+        except Exception as err:
+            if s.tp_size > 1:
+                raise RuntimeError(f"rank {s.tp_rank}: graph capture of {what} failed under tensor parallelism: "
+                                   f"{type(err).__name__}: {err}") from err
+            log.exception("graph capture of %s failed; it runs eagerly", what)
+            return f"capture failed: {type(err).__name__}: {err}"
+
+    def _capture_iteration(self, buckets: list[int], pool: object | None, cuda: bool, s: GraphSettings) -> str:
+        """Whole-iteration graphs for plain greedy batches. Under tensor parallelism every rank captures
+        the same body with its collectives inside and takes the same path for a step (the choice
+        depends only on the batch, the same everywhere), so the ranks replay one bucket's graph together."""
+        if not s.iteration:
+            return "iteration: off (iteration_graph = false)"
+        if any(r.graphs is None or r.binding.backend.needs_host_lens for r in self.runners):
+            return "iteration: per-forward graphs only"
+
+        def body(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+            return self._body(rpi, live, PLAIN, self.capture_view(int(rpi.shape[0])), True, None)
+
+        g = IterationGraph(self.iteration_name, body, self.iteration_meta, buckets,
+                           self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
+        why = self._try_capture("the whole iteration", g.capture, s)
+        if why is not None:
+            return f"iteration: per-forward graphs only ({why})"
+        self.iter_graph = g
+        return (f"iteration ({self.iteration_name}): buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), "
+                f"{g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+
+    @property
+    def iteration_name(self) -> str:
+        return "decode + sample"
 
     # --- prefill (eager, host-described) --------------------------------------------------------
     def prefill_batch(self, reqs: list[Req], chunks: list[int]) -> ForwardBatch:
@@ -204,6 +213,7 @@ class TargetWorker:
         batch = self.prefill_batch(reqs, chunks)
         out = self.target.forward(batch)
         self.last_batch = batch
+        self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         return self.finish_prefill(reqs, chunks, batch, out)
 
     def finish_prefill(self, reqs: list[Req], chunks: list[int], batch: ForwardBatch, out: ForwardOutput) -> list[StepResult]:
@@ -270,14 +280,6 @@ class TargetWorker:
                              req_to_token=self.r2t, width=width, host_kv_lens=host.kv_lens,
                              max_seq_len=host.max_seq_len, logit_rows=logit_rows, pruned=pruned, rids=host.rids)
 
-    def decode_batch(self, reqs: list[Req]) -> ForwardBatch:
-        """A DECODE view built from host lists (reference probes and tests; the engine uses `launch`)."""
-        b = build_batch(ForwardMode.DECODE, input_ids=[r.output_ids[-1] for r in reqs],
-                        req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-                        prefix_lens=[r.kv_len for r in reqs], extend_lens=[1] * len(reqs),
-                        req_to_token=self.r2t, device=self.device, rids=tuple(r.rid for r in reqs))
-        return self.target.bind(b)
-
     def host_view(self, reqs: list[Req]) -> HostView:
         lag = self.inflight * self.lookahead  # an iteration in flight may still advance kv_len
         kv = [r.kv_len for r in reqs]
@@ -287,24 +289,58 @@ class TargetWorker:
         """The host description a whole-iteration capture records (its kernels read lengths on the device)."""
         return HostView([0] * pbs, self.r2t.shape[1], ())
 
+    def iteration_miss(self, flags: RowFlags, bs: int) -> str | None:
+        """Why a batch cannot replay the whole-iteration graph (None: it can)."""
+        g = self.iter_graph
+        if g is None:
+            return "no iteration graph"
+        if not flags.plain:
+            return "sampling"
+        if flags.logprobs >= 0:
+            return "logprobs"
+        if g.bucket(bs) is None:
+            return "bs>max_bucket"
+        return None
+
+    def replay_forwards(self, reqs: list[Req], pbs: int) -> list[FwdInfo]:
+        """The forwards a whole-iteration replay ran (no runner observed them), by the rule."""
+        bs, rids = len(reqs), tuple(r.rid for r in reqs)
+        out = []
+        for r in self.runners:
+            mode, w, pruned = self.graph_mode(r)
+            out.append(FwdInfo(r.name, mode.value, bs, rids, [w] * bs, bs * w, pbs, None,
+                               r.rule_meta(mode, bs, w, pruned=pruned)))
+        return out
+
     def launch(self, reqs: list[Req]) -> Pending:
+        """Start one decode iteration on the device: a whole-iteration replay, or the body with each
+        forward on its runner's graph or eager. Returns with the result copy on its way."""
         bs = len(reqs)
         timer = Timer(self.device)
         timer.mark()
         rpi = self.rpi_of(reqs)
         flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
-        g = self.iter_graph
-        if g is not None and flags.plain and flags.logprobs < 0 and g.bucket(bs) is not None:
-            packed, pbs = g.run(rpi, bs)
-            self.forwards = [FwdInfo(self.target.name, "DECODE", bs, tuple(r.rid for r in reqs), [1] * bs, bs, pbs, None,
-                                     self.target.rule_meta(ForwardMode.DECODE, bs, 1))]
+        why = self.iteration_miss(flags, bs)
+        if why is None:
+            assert self.iter_graph is not None
+            packed, pbs = self.iter_graph.run(rpi, bs)
+            self.forwards = self.replay_forwards(reqs, pbs)
+            timer.mark()  # one span: the whole iteration (nothing is timed inside a graph)
         else:
-            packed, _ = self._decode_body(rpi, None, flags, self.host_view(reqs), eager=False)
-        timer.mark()
-        return self._send(reqs, 1, flags, packed, timer)
+            packed, _ = self._body(rpi, None, flags, self.host_view(reqs), False, timer)
+        p = self._send(reqs, self.width, flags, packed, timer)
+        p.iteration_miss = why
+        return p
 
-    def _decode_body(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView,
-                     eager: bool) -> tuple[torch.Tensor, list[RowMeta]]:
+    def _forward(self, r: ModelRunner, batch: ForwardBatch, eager: bool) -> ForwardOutput:
+        """One forward of an iteration: eager inside a whole-iteration capture, else replay-or-eager;
+        recorded in `self.forwards` for the step report."""
+        out = r.forward_eager(batch, observe=False) if eager else r.forward(batch)
+        self.forwards.append(FwdInfo.of(r.name, batch, out.graph_bs, out.eager_reason))
+        return out
+
+    def _body(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView, eager: bool,
+              timer: Timer | None) -> tuple[torch.Tensor, list[RowMeta]]:
         """One decode step on the device: view from the slot state, forward, sample, commit, pack. `eager`
         runs the forward eagerly (inside a whole-iteration capture); `live` masks padded rows' writes."""
         st = self.state
@@ -313,20 +349,22 @@ class TargetWorker:
             ForwardMode.DECODE, input_ids=st.last_tok[rpi], req_pool_indices=rpi, kv_lens=st.kv_len[rpi],
             req_to_token=self.r2t, width=1, host_kv_lens=host.kv_lens, max_seq_len=host.max_seq_len,
             logit_rows=self._arange(bs), rids=host.rids))
-        out = self.target.forward_eager(batch, observe=False) if eager else self.target.forward(batch)
+        self.forwards = []
+        out = self._forward(self.target, batch, eager)
         self.last_batch = batch
-        self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         tok = self._sample(out.logits, rpi, flags)
         lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
         st.commit(rpi, tok.view(-1, 1), one, flags, live=live)
+        if timer is not None:
+            timer.mark()
         return pack(tok.view(-1, 1), one, lp, 1), [self.target.row_meta(batch)]
 
     def _arange(self, n: int) -> torch.Tensor:
-        a = getattr(self, "_ar_cache", None)
-        if a is None or a.shape[0] < n:
-            a = self._ar_cache = torch.arange(max(n, 64) * 2, device=self.device)
-        return a[:n]
+        """0..n-1 on the device, grown (outside any capture) and then sliced, never allocated per step."""
+        if self._ar.shape[0] < n:
+            self._ar = torch.arange(max(n, 64) * 2, device=self.device)
+        return self._ar[:n]
 
     def _send(self, reqs: list[Req], width: int, flags: RowFlags, packed: torch.Tensor, timer: Timer) -> Pending:
         """Start the one copy back of the iteration (pinned, non-blocking on CUDA)."""

@@ -2,7 +2,7 @@
 input norm, SiLU-and-mul, and greedy speculation's bookkeeping (row argmax, accept + commit, draft step).
 
 Every kernel has a torch reference it is tested against (the attention backends' torch path, the
-layers' reference forward, `engine/spec/greedy.py`). The callers pick the Triton kernel only for CUDA
+layers' reference forward, `SlotState.verify_greedy` / `.draft_greedy`). The callers pick the Triton kernel only for CUDA
 tensors with Triton installed and the fused layers not switched off, so the CPU path never imports
 Triton. The switch is process-wide (an engine process runs one engine); `EngineConfig.fused_layers =
 false` sets it, for debugging a suspected kernel against the reference on the same GPU.

@@ -16,21 +16,16 @@ iteration. Here:
   the last accepted row).
 
 Ties go to the lowest index, as in `torch.argmax`; NaN logits are not handled (torch would pick them).
-The references are in `mleagle.engine.spec.greedy`, which picks these kernels on CUDA.
+The torch references are `SlotState.verify_greedy` and `.draft_greedy`, which pick these kernels on CUDA.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from mleagle.engine.kernels import interpreter_compat, next_pow2
-
-if TYPE_CHECKING:
-    from mleagle.engine.executor.slot_state import SlotState
 
 interpreter_compat()
 
@@ -125,9 +120,13 @@ def argmax_partials(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, i
     return pmax, pidx, c
 
 
-def greedy_accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch.Tensor, live: torch.Tensor | None,
-                  st: SlotState, sim: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See `mleagle.engine.spec.greedy.accept`: (emitted [bs, W], n [bs], packed [bs, W+1], sel [bs])."""
+def greedy_accept(logits: torch.Tensor, w: int, rpi: torch.Tensor, live: torch.Tensor | None, sim: torch.Tensor,
+                  drafts: torch.Tensor, last_tok: torch.Tensor, n_out: torch.Tensor, kv_len: torch.Tensor,
+                  iters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `SlotState.verify_greedy` (which owns the state tensors it passes): `drafts` [R, S] is read at
+    the request rows `rpi`; `sim` a device scalar (≥ 0: a forced accepted count); the live rows of
+    `last_tok`, `n_out`, `kv_len`, `iters` [R] advance. Returns (emitted [bs, W], n [bs], packed
+    [bs, W+1], sel [bs])."""
     bs = int(rpi.shape[0])
     pmax, pidx, c = argmax_partials(logits)
     dev = logits.device
@@ -136,9 +135,9 @@ def greedy_accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch
     n = torch.empty(bs, dtype=torch.int64, device=dev)
     sel = torch.empty(bs, dtype=torch.int64, device=dev)
     if bs:
-        sd = st.drafts
+        sd = drafts
         _greedy_accept_kernel[(bs,)](pmax, pidx, c, rpi, live if live is not None else rpi, sd, sd.stride(0), sim,
-                                     st.last_tok, st.n_out, st.kv_len, st.iters,
+                                     last_tok, n_out, kv_len, iters,
                                      emitted, packed, n, sel, HAS_LIVE=live is not None, CP=pmax.shape[1],
                                      S=w - 1, W=w, WP=next_pow2(w), num_warps=1)
     return emitted, n, packed, sel
@@ -146,7 +145,8 @@ def greedy_accept(logits: torch.Tensor, w: int, drafts: torch.Tensor, rpi: torch
 
 def greedy_draft_step(logits: torch.Tensor, vocab_ids: torch.Tensor | None, drafts: torch.Tensor, rpi: torch.Tensor,
                       k: int, live: torch.Tensor | None, ids: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `mleagle.engine.spec.greedy.draft_step`: (new drafts [bs], the next id window [bs, W])."""
+    """See `SlotState.draft_greedy`: (new drafts [bs], the next id window [bs, W]); the live rows of
+    `drafts` [R, S] get column k."""
     ids = ids.contiguous()  # the kernel reads row b at b·W
     bs, w = ids.shape
     pmax, pidx, c = argmax_partials(logits)

@@ -12,6 +12,8 @@ built with, so a replicated block (size-1 group) and a sharded one run side by s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,6 +103,23 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
         raise ValueError(f"num_key_value_heads={num_kv_heads} neither divides nor is divisible by the "
                          f"tensor-parallel size {size}")
     return 1
+
+
+def tp_shape_errors(arch: Any, n: int, what: str = "") -> list[str]:
+    """Why `arch` (a `ModelArch`) cannot be sharded over n ranks (empty: it can), each with its fix. KV
+    heads may be fewer than the ranks (then replicated), as long as one divides the other; the
+    vocabulary is padded, never checked."""
+    errs = []
+    if arch.num_attention_heads % n:
+        errs.append(f"{what}num_attention_heads={arch.num_attention_heads} is not divisible by tp_size={n}")
+    try:
+        kv_heads_per_rank(arch.num_key_value_heads, n)
+    except ValueError:
+        errs.append(f"{what}num_key_value_heads={arch.num_key_value_heads} neither divides nor is divisible by "
+                    f"tp_size={n}")
+    if arch.intermediate_size % n:
+        errs.append(f"{what}intermediate_size={arch.intermediate_size} is not divisible by tp_size={n}")
+    return errs
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mleagle.engine.contract.config import ModelArch
-from mleagle.engine.model_loader import expected_shapes
+from mleagle.engine.model_loader.names import expected_shapes
 
 _DIRECT = 1 << 20  # tensors up to this many values are sampled independently
 _POOL = 1 << 24

@@ -23,7 +23,7 @@ import torch
 
 from mleagle.engine.contract.config import ModelArch
 from mleagle.engine.contract.tokenizer import Tokenizer, atomic_write, cache_dir_for, gguf_tokenizer_fields
-from mleagle.engine.model_loader import check_weights
+from mleagle.engine.model_loader.names import check_weights
 
 WEIGHTS_FILE = "weights.safetensors"
 ARCH_FILE = "arch.json"

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mleagle.engine.contract.config import ModelArch, RopeScaling
-from mleagle.engine.model_loader import check_weights
+from mleagle.engine.model_loader.names import check_weights
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 

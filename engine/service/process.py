@@ -19,7 +19,6 @@ them all.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from mleagle.engine.contract.protocol import (
     encode,
     peak_rss_mb,
 )
+from mleagle.engine.service.parent import die_with_parent
 
 log = logging.getLogger("mleagle.engine.service.process")
 IDLE_POLL_MS = 250  # idle wake-up: notices a vanished parent even without PDEATHSIG
@@ -57,16 +57,10 @@ MAX_STEP_FAILURES = 3
 REPARENT_WAIT_S = 5.0  # after SIGTERM: how long a dying daemon may take to release its children
 
 
-def _die_with_parent(parent: int | None) -> None:
-    """Linux: get SIGTERM when the daemon dies, so a killed daemon never leaves an orphan engine. The
-    daemon may have died before prctl ran (we would already be re-parented): then exit right away."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if parent is not None and os.getppid() != parent:
-        sys.exit(0)
+def _tensor_parallel(engine: Any) -> bool:
+    """The engine has other ranks, which fail (and are restarted) with this process."""
+    tp = getattr(engine, "tp", None)
+    return tp is not None and tp.size > 1
 
 
 def _jsonable(obj: Any) -> Any:
@@ -74,9 +68,10 @@ def _jsonable(obj: Any) -> Any:
 
 
 def build_engine(cfg: MleagleConfig) -> Any:
-    from mleagle.engine.core.engine import Engine
+    """The engine this process serves (rank 0 of its tensor-parallel ranks when tp_size > 1)."""
+    from mleagle.engine.service.tp_driver import start_engine
 
-    return Engine(cfg)
+    return start_engine(cfg)
 
 
 class EngineLoop:
@@ -85,15 +80,14 @@ class EngineLoop:
     def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, pump: EventPump | None = None) -> None:
         self.engine = engine
         self.pump = pump
+        self.telemetry = pump.telemetry if pump is not None else None
         self.pull = pull
         self.push = push
         self.live: set[str] = set()  # rids the engine holds that have not finished
         self.failures = 0
         self.ppid = os.getppid()
-        try:
-            from mleagle.engine.core.engine import EngineInputError
-        except ImportError:  # a stand-in engine
-            EngineInputError = ValueError
+        from mleagle.engine.errors import EngineInputError
+
         self.input_error: type[Exception] = EngineInputError
 
     def send(self, msg: Any) -> None:
@@ -165,7 +159,7 @@ class EngineLoop:
             if self.failures >= MAX_STEP_FAILURES:
                 self.send(Fatal(message=f"{self.failures} engine steps failed in a row; last: {err}"))
                 return 1
-            if getattr(self.engine, "ranks", None) is not None:
+            if _tensor_parallel(self.engine):
                 # Tensor parallel: the ranks may have failed at different collectives; none can go on.
                 self.send(Fatal(message=f"a tensor-parallel engine step failed: {err}"))
                 return 1
@@ -191,8 +185,8 @@ class EngineLoop:
                     return 0
                 n += 1
                 timeout = 0
-            if not busy:
-                self.engine.telemetry.idle()  # status events (rates, uptime) stay current while idle
+            if not busy and self.telemetry is not None:
+                self.telemetry.idle()  # status events (rates, uptime) stay current while idle
             if self.pump is not None:
                 self.pump.pump()
             if not busy and os.getppid() != self.ppid:
@@ -221,14 +215,16 @@ class EventPump:
     def __init__(self, pub: Any) -> None:
         self.pub = pub
         self.bus: Any = None
+        self.telemetry: Any = None
         self.last_drops = 0.0
 
     def attach(self, engine: Any) -> None:
+        """Attach the engine's telemetry, publishing into a new bus this pump drains."""
         from mleagle.engine.contract.event_bus import EventBus
+        from mleagle.engine.service.telemetry import Telemetry
 
-        if getattr(engine, "events", None) is None:
-            engine.events = EventBus()
-        self.bus = engine.events
+        self.bus = EventBus()
+        self.telemetry = Telemetry.attach(engine, self.bus)
 
     def pump(self) -> None:
         if self.bus is None:
@@ -320,7 +316,7 @@ def _hard_exit(args: argparse.Namespace, code: int) -> None:
 def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[0] %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop (Ctrl-C hits it)
     text = sys.stdin.read() if args.config_file == "-" else Path(args.config_file).read_text()
     cfg = MleagleConfig.model_validate_json(text)
@@ -372,7 +368,7 @@ def _main(args: argparse.Namespace) -> int:
     ctx.destroy(linger=1000)
     if code == 0 and hasattr(engine, "close"):
         engine.close()  # a clean stop: the other tensor-parallel ranks stop too (and their launchers end)
-    elif getattr(engine, "ranks", None) is not None:
+    elif _tensor_parallel(engine):
         _hard_exit(args, code)  # a failure: the other ranks fail too and are restarted with us
     return code
 

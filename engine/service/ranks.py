@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
-import faulthandler
 import logging
 import os
 import pickle
@@ -44,8 +43,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,18 +107,6 @@ class Control:
     step: bool = False
     stop: bool = False
     digest: int = -1  # of rank 0's previous step's outputs (-1: not checked, e.g. a stop)
-
-
-def outputs_digest(outs: Sequence[Any]) -> int:
-    """A cheap fingerprint of one step's outputs, equal on ranks that made the same tokens."""
-    key = repr([(o.rid, list(o.token_ids), o.finished, o.finish_reason) for o in outs])
-    return zlib.crc32(key.encode())
-
-
-def _die_with_parent(parent: int | None) -> None:
-    from mleagle.engine.service.process import _die_with_parent as die
-
-    die(parent)
 
 
 class Watchdog(threading.Thread):
@@ -341,7 +326,7 @@ def _join(rt: Runtime, backend: str) -> Runtime:
 
 
 def _spawn_rank(topo: Topology, local_rank: int, parent: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "mleagle.engine.service.ranks", "--rank", str(topo.global_rank(local_rank)),
+    cmd = [sys.executable, "-m", "mleagle.engine.service.tp_driver", "--rank", str(topo.global_rank(local_rank)),
            "--local-rank", str(local_rank), "--tp", str(topo.tp), "--nnodes", str(topo.nnodes),
            "--node-rank", str(topo.node_rank), "--master-addr", topo.addr, "--master-port", str(topo.port),
            "--parent-pid", str(parent)]
@@ -410,54 +395,7 @@ def attach(cfg: MleagleConfig) -> Runtime:
     return rt
 
 
-def follow(engine: Any) -> int:
-    """A follower's loop: apply rank 0's control messages, step when it steps, until it stops."""
-    rt: Runtime = engine.ranks
-    while True:
-        c = rt.recv()
-        # The engine's own digest of its last step (kept across a stop, as rank 0's is).
-        if c.digest != -1 and c.digest != engine._digest:
-            raise RankError(f"rank {rt.rank}'s outputs differ from rank 0's (digest {engine._digest} vs {c.digest}): "
-                            "the ranks no longer compute the same tokens")
-        for m in c.msgs:
-            engine.apply_control(m)
-        if c.stop:
-            return 0
-        if c.step:
-            engine.step()
-
-
-# --- processes ----------------------------------------------------------------------------------------
-def rank_main(argv: list[str] | None = None) -> int:
-    """One follower rank process (`python -m mleagle.engine.service.ranks --rank R ...`)."""
-    ap = argparse.ArgumentParser(prog="python -m mleagle.engine.service.ranks")
-    _topology_args(ap)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--local-rank", type=int, required=True)
-    ap.add_argument("--parent-pid", type=int, default=None)
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank[{a.rank}] %(levelname)s %(message)s")
-    if a.parent_pid is not None:
-        _die_with_parent(a.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 (or the launcher) decides when we stop
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: where is this rank waiting?
-    topo = Topology(a.tp, a.nnodes, a.node_rank, a.master_addr, a.master_port)
-    try:
-        rt, cfg = join_follower(topo, a.rank, a.local_rank)
-        from mleagle.engine.core.engine import Engine
-
-        engine = Engine(cfg)
-        code = follow(engine)
-    except Exception as e:
-        log.error("rank %d failed: %s: %s", a.rank, type(e).__name__, e, exc_info=True)
-        report_failure(topo, f"rank {a.rank} failed: {type(e).__name__}: {e}", getattr(_RT, "store", None))
-        logging.shutdown()
-        os._exit(1)  # a failed rank must not wait in a group destructor: the others are watching
-    rt.finish_follower()
-    return code
-
-
-def _topology_args(ap: argparse.ArgumentParser) -> None:
+def topology_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp", type=int, required=True, help="tensor-parallel size (all nodes together)")
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--node-rank", type=int, default=0)
@@ -472,7 +410,7 @@ def launcher_main(argv: list[str] | None = None) -> int:
         description="Start this node's tensor-parallel ranks of an mleagle engine (rank 0 runs on node 0 in "
                     "`mleagle serve`/`generate`/`bench` with the same --tp/--nnodes/--master-addr/--master-port). "
                     "Restarts them when they fail (the engine restarts); exits 0 when the engine stops cleanly.")
-    _topology_args(ap)
+    topology_args(ap)
     ap.add_argument("--no-restart", action="store_true", help="exit non-zero when the ranks fail")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-ranks %(levelname)s %(message)s")
@@ -553,10 +491,3 @@ def _wait_ranks(procs: list[subprocess.Popen[bytes]], topo: Topology) -> list[in
         if all(c is not None for c in codes):
             return [int(c) for c in codes]  # type: ignore[arg-type]
         time.sleep(0.2)
-
-
-if __name__ == "__main__":
-    # Run the imported module's copy: its runtime is the one the Engine finds (not this __main__'s).
-    from mleagle.engine.service import ranks as _ranks
-
-    sys.exit(_ranks.rank_main())

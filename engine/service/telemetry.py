@@ -1,12 +1,13 @@
 """Turns what the engine already knows on the host into state events, without adding device syncs.
 
-The engine process installs an `EventBus` as `engine.events`; until then (and in the offline API)
-every hook returns at once. Hooks: `on_forward` (every runner forward → logprob metadata: mode, bs,
-width, logit rows against the one row-count rule, and the per-rank token and logprob counts of the
-tensor-parallel layout; the forwards inside a whole-iteration graph replay, which no runner observes,
-get theirs in `on_step` from the iteration's descriptors), `on_step` (the step's batch and any draft-extend
-batches, per-runner pool occupancy, acceptance, request lifecycle and per-token logprobs), `on_add`
-(queued). Everything read here is a Python int, a list length or a tensor shape. Request events carry
+The engine process attaches it (`Telemetry.attach(engine, bus)`): it observes every runner forward
+and every step, and emits into `bus` (an `EventBus`); an engine without it (the offline API) pays
+nothing. Hooks: `on_forward` (every runner forward → logprob metadata: mode, bs, width, logit rows
+against the one row-count rule, and the per-rank token and logprob counts of the tensor-parallel
+layout; the forwards inside a whole-iteration graph replay, which no runner observes, get theirs in
+`on_step` from the step report's descriptors), `on_step` (from the engine's `StepReport`: requests
+queued since the last step, the step's batch and any draft-extend batches, per-runner pool occupancy,
+acceptance, request lifecycle and per-token logprobs), `idle` and `status` (rates, graphs). Everything read here is a Python int, a list length or a tensor shape. Request events carry
 counts and lifecycle only: token ids, token text and logprobs (another user's output, readable by
 every subscriber) go into them only when the operator sets `server.events_include_text`.
 """
@@ -17,18 +18,20 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from mleagle.engine.contract import events as ev
-from mleagle.engine.executor.worker import FwdInfo
 
 if TYPE_CHECKING:
+    from mleagle.engine.contract.event_bus import EventBus
     from mleagle.engine.contract.outputs import RequestOutput
     from mleagle.engine.core.engine import Engine
-    from mleagle.engine.executor.forward_batch import ForwardBatch, RowMeta
-    from mleagle.engine.executor.runner import ForwardOutput, ModelRunner
+    from mleagle.engine.core.scheduler import StepReport
+    from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardOutput, RowMeta
+    from mleagle.engine.executor.runner import ModelRunner
 
 
 class Telemetry:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, bus: EventBus | None = None):
         self.e = engine
+        self.bus: Any = bus
         self.start = time.time()
         self.running: set[str] = set()
         self.prompt_total = self.gen_total = self.finished_total = 0
@@ -37,13 +40,14 @@ class Telemetry:
         self._window: list[tuple[float, int, int]] = []  # (time, generated, prompt tokens) per step
         self.prompt_window = 0
 
-    @property
-    def bus(self) -> Any:
-        return self.e.events
-
-    def on_add(self, rid: str, prompt_tokens: int) -> None:
-        if self.bus is not None:
-            self.bus.emit(ev.RequestEvent(rid=rid, state="queued", prompt_tokens=prompt_tokens))
+    @classmethod
+    def attach(cls, engine: Engine, bus: EventBus) -> Telemetry:
+        """Observe `engine`'s forwards and steps, emitting into `bus`."""
+        t = cls(engine, bus)
+        for r in engine.runners:
+            r.observer = t.on_forward
+        engine.observers.append(t.on_step)
+        return t
 
     def on_forward(self, runner: ModelRunner, batch: ForwardBatch, out: ForwardOutput) -> None:
         self.forwards[runner.name] = self.forwards.get(runner.name, 0) + 1
@@ -61,21 +65,22 @@ class Telemetry:
             global_num_tokens_for_logprob=list(m.global_num_tokens_for_logprob), tp_size=m.tp_size,
             layout=m.layout, agree=m.agree and rows == m.logit_rows == expected, step=step))
 
-    def on_step(self, outputs: list[RequestOutput], duration: float) -> None:
+    def on_step(self, outputs: list[RequestOutput], report: StepReport) -> None:
         s = self.e.scheduler
         new_tokens = sum(len(o.token_ids) for o in outputs)
         self.gen_total += new_tokens
         now = time.time()
+        for rid, n in report.added:
+            self.prompt_total += n
+            if self.bus is not None:
+                self.bus.emit(ev.RequestEvent(rid=rid, state="queued", prompt_tokens=n))
         if self.bus is None:
             return
         bus, step = self.bus, s.num_steps
+        duration = report.duration_s
         w = self.e.worker
-        pend = s.last_finished if s.last_mode == "DECODE" else None
-        if s.last_mode == "EXTEND" and s.last_prefill is not None:
-            self.prompt_window += s.last_prefill.num_tokens
-            forwards = [FwdInfo.of("target", s.last_prefill, 0, self.e.target.eager_reason())]
-        else:
-            forwards = list(pend.forwards) if pend is not None else []
+        self.prompt_window += report.prefill_tokens
+        forwards = list(report.forwards)
         main = forwards[0] if forwards else None
         last = getattr(w, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
         times = last.draft_layer_s if last is not None else []

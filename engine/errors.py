@@ -1,0 +1,7 @@
+"""The engine's user-facing error: a request or a configuration it refuses, with a message meant for
+the user. A torch-free leaf, so every layer (the builders, the speculative worker's loader, the engine
+process) raises the same type without importing the engine that catches it."""
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses; the message is meant for the user."""

@@ -1,0 +1,85 @@
+"""The one capture skeleton every CUDA graph of the engine goes through, and the bucket rule.
+
+A graph is captured per padded batch size (bucket), largest first so that smaller graphs reuse the
+memory pool's blocks. For each bucket `prepare(pbs)` fills the fixed inputs (every row padding) and
+returns the metadata a replay of that bucket is sized by; on CUDA `body(pbs)` then runs twice outside
+the capture (Triton JIT, cuBLAS handles and lazy inits must not happen inside it) and once inside it,
+and its output tensors are what every replay rewrites. `check(pbs, meta, out)` runs after each
+bucket: it compares the recorded metadata (and, on CUDA, the captured output's shapes) with an
+independent computation of what a live batch of that bucket needs, so a graph recording the wrong row
+counts fails at start-up, never silently at serving time. Emulated (no CUDA: the CPU tests) only
+`prepare` and `check` run; replays then run the body eagerly on the same buffers. Per-forward graphs
+(`GraphRunner`) and whole-iteration graphs (`IterationGraph`) differ only in their three callbacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+
+M = TypeVar("M")
+Out = TypeVar("Out")
+
+
+class MetaMismatch(AssertionError):
+    """A graph's recorded row metadata differs from what a live batch of its bucket needs."""
+
+
+def default_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 256: dense where decode batches usually are."""
+    b = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16)]
+    return sorted({x for x in b if x < max_bs} | {max_bs})
+
+
+def bucket_for(buckets: list[int], bs: int) -> int | None:
+    """The smallest captured batch size (ascending `buckets`) that holds `bs` requests, or None."""
+    return next((b for b in buckets if b >= bs), None)
+
+
+@dataclass
+class Capture(Generic[M, Out]):
+    graph: torch.cuda.CUDAGraph | None  # None: emulated (the body runs eagerly at replay)
+    out: Out | None
+    meta: M
+
+
+@dataclass
+class GraphStats:
+    replays: Counter[int] = field(default_factory=Counter)
+    eager: Counter[str] = field(default_factory=Counter)
+    capture_s: float = 0.0
+    capture_mb: float = 0.0
+
+
+def capture_buckets(buckets: list[int], prepare: Callable[[int], M], body: Callable[[int], Out],
+                    check: Callable[[int, M, Out | None], None], *, emulate: bool, pool: object | None,
+                    stats: GraphStats) -> dict[int, Capture[M, Out]]:
+    """Capture `body` for every bucket (see the module docstring); fills `stats` with time and memory."""
+    t0 = time.perf_counter()
+    cuda = not emulate
+    free0 = torch.cuda.mem_get_info()[0] if cuda else 0
+    caps: dict[int, Capture[M, Out]] = {}
+    for pbs in sorted(set(buckets), reverse=True):
+        meta = prepare(pbs)
+        if not cuda:
+            check(pbs, meta, None)
+            caps[pbs] = Capture(None, None, meta)
+            continue
+        for _ in range(2):
+            body(pbs)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = body(pbs)
+        check(pbs, meta, out)
+        caps[pbs] = Capture(g, out, meta)
+    if cuda:
+        torch.cuda.synchronize()
+        stats.capture_mb = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
+    stats.capture_s = time.perf_counter() - t0
+    return caps

@@ -1,0 +1,142 @@
+"""What a decode iteration hands back to the host: the packed result row, its unpacking, the record
+of every forward it ran, and the timer marks around them.
+
+An iteration's device results (tokens, emitted count, logprobs) travel in one float64 row per
+request (`pack`), so one non-blocking copy carries the whole iteration back; `Pending` holds that copy
+until the host waits for it, and `unpack` turns it into per-request tokens and logprobs. `FwdInfo`
+describes each forward with host values only (for the step report and the state events). These are
+the workers' data types, kept apart so the slot state and the spec bookkeeping can pack results
+without importing a worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mleagle.engine.contract.outputs import TokenLogprob
+from mleagle.engine.core.request import Req
+from mleagle.engine.executor.forward_batch import ForwardBatch, RowMeta
+from mleagle.engine.sampling.processor import RowFlags
+
+
+@dataclass
+class StepResult:
+    """New tokens (and their logprobs, when asked) for one request from one step."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class Timer:
+    """Marks on the device's timeline (CUDA events) or the host clock (CPU); read after the sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks. On CUDA this waits for the last mark (a no-op once a later
+        sync covered it): an event the device has not reached yet has no time to read."""
+        m = self.marks
+        if self.cuda:
+            if m:
+                m[-1].synchronize()
+            return [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(len(m) - 1)]
+        return [m[i + 1] - m[i] for i in range(len(m) - 1)]
+
+
+@dataclass(frozen=True)
+class FwdInfo:
+    """What one forward of an iteration was, for events: host values only (no tensors kept)."""
+
+    runner: str
+    mode: str
+    bs: int
+    rids: tuple[str, ...]
+    tokens_per_req: list[int]
+    num_tokens: int
+    graph_bs: int  # the bucket it replayed at; 0 = eager
+    eager_reason: str | None
+    # A forward inside a whole-iteration replay (no runner observer saw it): its row counts by the rule,
+    # per rank, for the live batch (the replay checked its bucket's against the capture's).
+    meta: RowMeta | None = None
+
+    @staticmethod
+    def of(runner: str, b: ForwardBatch, graph_bs: int, why: str | None, bs: int | None = None) -> FwdInfo:
+        n = b.bs if bs is None else bs
+        return FwdInfo(runner, b.mode.value, n, b.rids, [b.width] * n if b.mode.uniform else list(b.extend_lens),
+                       n * b.width if b.mode.uniform else b.num_tokens, graph_bs, why)
+
+
+@dataclass
+class Pending:
+    """An iteration launched on the device whose results are still on their way back."""
+
+    reqs: list[Req]
+    width: int  # token slots per request in the packed result
+    flags: RowFlags
+    packed: torch.Tensor  # host (pinned on CUDA) float64 [bs, K]: tokens, emitted count, logprobs
+    done: torch.cuda.Event | None
+    timer: Timer
+    epoch: list[int]  # each request's epoch at launch: a request preempted since gets no results
+    forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
+    iteration_miss: str | None = None  # why the whole-iteration graph did not run it (None: it did)
+
+
+@dataclass(frozen=True)
+class HostView:
+    """The host's description of a decode batch: KV lengths as the host knows them (one iteration behind
+    the device's while a step is in flight), a bound covering the device's, and the request ids."""
+
+    kv_lens: list[int]
+    max_seq_len: int
+    rids: tuple[str, ...]
+
+
+def pack(tokens: torch.Tensor, n_emit: torch.Tensor, lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+         width: int) -> torch.Tensor:
+    """One float64 [bs, K] tensor (ids < 2^53 and float32 logprobs are exact in float64), so one copy
+    carries the whole iteration back: K = W tokens + 1 count (+ W·(1 + 2N) logprob fields)."""
+    bs = tokens.shape[0]
+    parts = [tokens.view(bs, width).double(), n_emit.view(bs, 1).double()]
+    if lp is not None:
+        chosen, tv, ti = lp
+        n = tv.shape[1]
+        parts += [chosen.view(bs, width).double(), tv.view(bs, width * n).double(), ti.view(bs, width * n).double()]
+    return torch.cat(parts, dim=1)
+
+
+def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+    """Per request: the emitted tokens, and their logprobs where the request asked for them."""
+    w = p.width
+    rows = p.packed.tolist()
+    top_n = max(p.flags.logprobs, 0)
+    res = []
+    for r, row in zip(p.reqs, rows):
+        n = int(row[w])
+        toks = [int(t) for t in row[:n]]
+        lps = None
+        if p.flags.logprobs >= 0 and r.params.logprobs is not None:
+            base = w + 1
+            chosen = row[base : base + w]
+            tv = row[base + w : base + w + w * top_n]
+            ti = row[base + w + w * top_n : base + w + 2 * w * top_n]
+            k = r.params.logprobs
+            lps = [TokenLogprob(token_id=toks[j], logprob=chosen[j],
+                                top=[(int(ti[j * top_n + i]), tv[j * top_n + i]) for i in range(k)])
+                   for j in range(n)]
+        res.append((toks, lps))
+    return res
