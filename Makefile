@@ -16,10 +16,12 @@ serve:
 test:
 	bash scripts/install.sh test
 	$(PY) -m ruff check .
+	bash scripts/typecheck.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint:
 	$(PY) -m ruff check .
+	bash scripts/typecheck.sh
 
 bench:
 	.venv/bin/mleagle bench --out results/bench_cpu.json

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mleagle.engine.contract.cli_flags import add_tp_args
+from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args
 from mleagle.engine.contract.config import MleagleConfig, load_config
 
 # flag -> (section, field)
@@ -69,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
     ap.add_argument("--api-key", default=os.environ.get("MLEAGLE_API_KEY"), help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    add_device_args(ap)
     ap.add_argument("--draft", default=None, help="draft stack: PATH, random:S[:seed] or none")
     ap.add_argument("--spec-steps", type=int, default=None)
     ap.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,

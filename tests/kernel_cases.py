@@ -8,8 +8,8 @@ reads through the wrong map entry or mixes up GQA heads shows up as a large erro
 
 Run as a script (`python tests/kernel_cases.py --interpret`), it sets TRITON_INTERPRET=1 before
 anything imports Triton, runs every case on the CPU in float32 and prints a JSON object
-{case: {"err": ..., "tol": ...}}: tests/test_kernels_interp.py runs it in a subprocess so the rest of
-the suite never sees the interpreter. tests/test_kernels_gpu.py calls the same cases in-process on
+{case: {"err": ..., "tol": ...}}: tests/engine/test_kernels_interp.py runs it in a subprocess so the rest of
+the suite never sees the interpreter. tests/engine/test_kernels_gpu.py calls the same cases in-process on
 CUDA (bf16, and FlashInfer).
 """
 

@@ -1,6 +1,6 @@
 """The tensor-parallel checks that run inside the ranks: `python -m tests.tp_spmd RANK WORLD PORT OUT`.
 
-`tests/test_tp.py` starts WORLD processes of this module, joined by gloo over loopback (as torchrun
+`tests/engine/test_tp.py` starts WORLD processes of this module, joined by gloo over loopback (as torchrun
 would, so the engine adopts the group), and asserts on the JSON each rank writes to OUT/rank{R}.json.
 Every rank runs the same calls in the same order (the collectives inside the forwards pair up); rank 0
 also builds the TP=1 reference engines and drives generation, while the other ranks follow its schedule

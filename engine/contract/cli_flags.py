@@ -1,11 +1,35 @@
 """Command-line flags shared by `mleagle serve` (the daemon) and the engine's own commands (`generate`,
-`bench`): torch-free, so the daemon's CLI can use them. The tensor-parallel flags map one to one onto
-`EngineConfig` fields (`tp_overrides`), validated there like a config file's values."""
+`bench`, `train-draft`): torch-free, so the daemon's CLI can use them. The device and dtype flags take
+exactly the values `EngineConfig` takes ("auto" included: the choices are read from the config's
+fields), and the tensor-parallel flags map one to one onto `EngineConfig` fields (`tp_overrides`),
+validated there like a config file's values."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
+
+from mleagle.engine.contract.config import EngineConfig
+
+DEVICES: tuple[str, ...] = get_args(EngineConfig.model_fields["device"].annotation)
+DTYPES: tuple[str, ...] = get_args(EngineConfig.model_fields["dtype"].annotation)
+
+
+def add_device_args(ap: argparse.ArgumentParser | Any, device: str | None = None, dtype: str | None = None) -> None:
+    """--device and --dtype with the config's choices ("auto": CUDA when present, bfloat16 there,
+    float32 on the CPU); None defaults leave the config's value."""
+    ap.add_argument("--device", choices=DEVICES, default=device,
+                    help="auto (CUDA when present), cpu or cuda" + (f" (default {device})" if device else " (default: the config's)"))
+    ap.add_argument("--dtype", choices=DTYPES, default=dtype,
+                    help="auto (bfloat16 on CUDA, float32 on the CPU) or a dtype"
+                         + (f" (default {dtype})" if dtype else " (default: the config's)"))
+
+
+def resolve_device(device: str, dtype: str) -> tuple[str, str]:
+    """("auto" resolved) device and dtype, as the engine resolves them."""
+    e = EngineConfig(device=device, dtype=dtype)  # type: ignore[arg-type]
+    dev = e.resolved_device()
+    return dev, e.resolved_dtype(dev)
 
 
 def add_tp_args(ap: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mleagle.engine.contract.cli_flags import add_tp_args, tp_overrides
+from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args, resolve_device, tp_overrides
 from mleagle.engine.contract.config import data_dir
 
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
@@ -37,8 +37,7 @@ DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca":
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mleagle bench", description="CPU decode throughput: mleagle vs HF transformers.")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_device_args(p, "cpu", "float32")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--dataset", default="mt_bench", help="mt_bench | gsm8k | alpaca | FILE.jsonl")
     p.add_argument("--data-dir", default=None, help="default: $MLEAGLE_DATA_DIR or ../shared/data from the repo root")
@@ -325,6 +324,7 @@ def run(a: argparse.Namespace) -> int:
     from mleagle.engine.contract.config import load_config
     from mleagle.engine.core.engine import Engine
 
+    a.device, a.dtype = resolve_device(a.device, a.dtype)
     sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
     if not sizes or min(sizes) < 1:
         raise ValueError("--batch-sizes needs positive integers, e.g. 1,8,32")

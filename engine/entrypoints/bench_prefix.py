@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mleagle.engine.contract.cli_flags import DTYPES
 from mleagle.engine.contract.config import data_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mleagle bench prefix", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="auto or a dtype (default float32)")
     p.add_argument("--data-dir", default=None, help="default: $MLEAGLE_DATA_DIR or ../shared/data from the repo root")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--conversations", type=int, default=12, help="MT-Bench conversations (two turns each)")
@@ -314,6 +315,7 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError("--system-requests must be at least --system-batch + 2 (the rest run one at a time: "
                          "the cold first request and at least one warm one)")
     cfg = load_config(a.model)
+    a.dtype = "float32" if a.dtype == "auto" else a.dtype  # this benchmark runs on the CPU
     over: dict[str, Any] = {"dtype": a.dtype, "max_running_requests": max(a.system_batch, 8)}
     if a.draft:
         over["draft"] = a.draft

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mleagle.engine.contract.cli_flags import add_tp_args, tp_overrides
+from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args, tp_overrides
 
 EXIT_USAGE = 2
 
@@ -31,8 +31,7 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mleagle generate", description="Offline generation with the mleagle engine.")
     p.add_argument("--model", default=None, help="bundled config name (smollm2-135m, tiny-dummy), .toml, .gguf or HF dir")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    add_device_args(p)
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompts-file", default=None, help="JSONL with `prompt` or `turns` (first turn used)")
     p.add_argument("--limit", type=int, default=None, help="use at most N prompts from the file")

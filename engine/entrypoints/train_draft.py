@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mleagle.engine.contract.cli_flags import DEVICES, DTYPES
+
 T_START = time.perf_counter()
 REPEAT_NGRAM = 16  # eval: a token repeats when it completes a 17-gram seen earlier in its response
 
@@ -40,8 +42,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("common")
     g.add_argument("--out", required=True, help="output folder (data/, draft/, logs, eval.json, summary.json)")
     g.add_argument("--model", default="smollm2-135m", help="bundled config name, .toml, .gguf or HF dir")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    g.add_argument("--device", choices=DEVICES, default="auto")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="engine dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     g.add_argument("--data-dir", default=None, help="prompt data (default: $MLEAGLE_DATA_DIR or ../shared/data)")
     g.add_argument("--seed", type=int, default=0)

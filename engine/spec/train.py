@@ -10,7 +10,7 @@ causal attention, its own layer's keys and values at positions <= p; it predicts
 its own final norm and the draft head (the target's head, or its rows for a reduced vocabulary).
 Layer 0 of a draft with fused features also reads the target's streams after `aux_layers`, and a step
 with several blocks runs them in order (`mtp_forward`).
-`tests/test_spec_train.py` checks that this forward's hidden states and logits equal the engine's
+`tests/engine/test_spec_train.py` checks that this forward's hidden states and logits equal the engine's
 draft runners' on the same sequence (float32), so training and serving cannot drift apart.
 
 The loss of layer k at p is forward KL to the target's distribution at the same position (the

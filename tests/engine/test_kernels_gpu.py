@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/*.py helpers (pytest runs with --import-mode=importlib)
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/*.py helpers (pytest runs with --import-mode=importlib)
 from kernel_cases import CASES, graph_replay_err, tol
 from spec_helpers import greedy, run, tiny_cfg, tiny_engine
 

@@ -43,7 +43,7 @@ from mleagle.engine.contract.events import (
     write_recording,
 )
 
-SAMPLE = Path(__file__).parent / "data" / "events_sample.jsonl"
+SAMPLE = Path(__file__).parents[1] / "data" / "events_sample.jsonl"
 
 
 def one_of_each() -> list:

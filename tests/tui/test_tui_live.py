@@ -22,7 +22,7 @@ from mleagle.tui.source import LiveSource
 from tests.daemon_helpers import ServerProc
 from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
 
-REAL = Path(__file__).parent / "data" / "events_real.jsonl"
+REAL = Path(__file__).parents[1] / "data" / "events_real.jsonl"
 STOP = 300  # mid second wave: three requests decoding, three finished, acceptance and pools populated
 REC_RUNNERS = {"target", "draft0", "draft1", "draft2"}  # the recording: SmolLM2's 3-layer draft
 RUNNERS = {"target", "draft0", "draft1"}  # the live daemon: tiny-dummy with random:2

@@ -241,7 +241,7 @@ def test_prose_prompts_are_distinct_deterministic_and_decontaminated(tmp_path: P
     with an evaluation turn; the file it writes reads back as training prompts of source prose_synth."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("prose_prompts", Path(__file__).parents[1] / "scripts" / "prose_prompts.py")
+    spec = importlib.util.spec_from_file_location("prose_prompts", Path(__file__).parents[2] / "scripts" / "prose_prompts.py")
     pp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pp)
     base = pp.candidates()

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).parent))  # tests/kernel_cases.py (pytest runs with --import-mode=importlib)
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/kernel_cases.py (pytest runs with --import-mode=importlib)
 from kernel_cases import CASES
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "kernel_cases.py"), "--interpret"], env=env,
+    p = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "kernel_cases.py"), "--interpret"], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])

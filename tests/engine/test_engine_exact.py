@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_ref.py (pytest runs with --import-mode=importlib)
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/hf_ref.py (pytest runs with --import-mode=importlib)
 from hf_ref import EngineProbe, hf_greedy, hf_logits, hf_model, rel_err
 
 from mleagle.engine.contract.sampling_params import SamplingParams

@@ -188,7 +188,7 @@ def test_reduced_vocabulary_sampling_keeps_the_target_distribution() -> None:
     """Rejection sampling with a draft that proposes only half the vocabulary (q scattered back, zero
     elsewhere): the samples still follow the target's distribution (the chi-square check of
     test_spec_sampling), with both accepted and rejected drafts."""
-    from tests.test_spec_sampling import CASES, PROMPT, N, V, _chi2_pvalue, _engine, _expected
+    from tests.engine.test_spec_sampling import CASES, PROMPT, N, V, _chi2_pvalue, _engine, _expected
 
     sp = CASES[1]
     e = _engine("random:2:4")

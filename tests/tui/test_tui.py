@@ -33,7 +33,7 @@ from mleagle.tui.panels.requests import RequestScreen
 from mleagle.tui.source import LiveSource, ReplaySource, Status, events_url
 from tests.tui_helpers import SIZE, no_animations, paused_at, replay_app, screen_text, until  # noqa: F401
 
-SAMPLE = Path(__file__).parent / "data" / "events_sample.jsonl"
+SAMPLE = Path(__file__).parents[1] / "data" / "events_sample.jsonl"
 STOP = 300  # snapshot index: mid-session, after the injected logprob mismatch, with one request running
 
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.spec_helpers import all_free, greedy, make_oracle, oracle_engine, run, smol, tiny_engine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 O_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], list(range(20, 33)), [40]]
 
 

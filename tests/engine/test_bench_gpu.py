@@ -47,7 +47,7 @@ def test_draft_ab_serves_every_engine_from_one_process(tmp_path: Path) -> None:
     request), target-only is the speed-up's base, and a draft's accept length pools its verifies."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("draft_ab", Path(__file__).parents[1] / "scripts" / "draft_ab.py")
+    spec = importlib.util.spec_from_file_location("draft_ab", Path(__file__).parents[2] / "scripts" / "draft_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     data = tmp_path / "prompts.jsonl"

@@ -1,0 +1,83 @@
+"""Continuous batching (`Scheduler`) on a small built model: prefill goes first and is chunked to the
+token budget, admission stops at `max_running_requests`, a short pool preempts the newest request
+(LIFO) and resumes it with nothing lost or repeated, and each step's `StepReport` says what the step
+was (mode, forwards, prompt tokens, requests added) for the engine's observers."""
+
+from __future__ import annotations
+
+from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.core.scheduler import StepReport
+from tests.spec_helpers import all_free, greedy, run, tiny_engine
+
+
+def test_prefill_goes_first_and_is_chunked() -> None:
+    e = tiny_engine("none", chunked_prefill_size=5)
+    e.add_request("a", [1, 2, 3], greedy(20))
+    e.step()
+    assert e.scheduler.last_mode == "EXTEND"
+    e.step()
+    assert e.scheduler.last_mode == "DECODE"
+    e.add_request("b", list(range(10, 22)), greedy(4))  # 12 tokens: chunks of 5, 5, 2
+    modes, kv = [], []
+    for _ in range(3):
+        e.step()
+        modes.append(e.scheduler.last_mode)
+        kv.append(e.scheduler.reqs["b"].kv_len)
+    assert modes == ["EXTEND"] * 3 and kv == [5, 10, 12]  # the arrival's chunks before any decode
+    while e.has_work():
+        e.step()
+    assert all_free(e)
+
+
+def test_admission_stops_at_max_running() -> None:
+    e = tiny_engine("none", max_running_requests=2)
+    for i in range(3):
+        e.add_request(f"r{i}", [5 + i, 6, 7], greedy(6))
+    e.step()
+    s = e.scheduler
+    assert [r.rid for r in s.running] == ["r0", "r1"] and [r.rid for r in s.waiting] == ["r2"]
+    while e.has_work():
+        e.step()
+    assert all_free(e)
+
+
+def test_short_pool_preempts_the_newest_and_loses_nothing() -> None:
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [20, 21], [30, 31, 32, 33, 34]]
+    want = run(tiny_engine("none"), prompts, greedy(24))
+    e = tiny_engine("none", max_total_tokens=64)  # 4 x (prompt + 24) does not fit: someone is preempted
+    got = run(e, prompts, greedy(24))
+    assert got == want and e.scheduler.num_preemptions > 0
+    assert all_free(e)
+
+
+def test_step_report_says_what_the_step_did() -> None:
+    e = tiny_engine("random:2")
+    seen: list[tuple[list[RequestOutput], StepReport]] = []
+    e.observers.append(lambda outs, rep: seen.append((outs, rep)))
+    e.add_request("a", [1, 2, 3, 4], greedy(8))
+    e.step()
+    outs, rep = seen[-1]
+    assert rep.mode == "EXTEND" and rep.prefill_tokens == 4 and rep.added == [("a", 4)]
+    assert [f.runner for f in rep.forwards] == ["target"] and rep.forwards[0].mode == "EXTEND"
+    assert outs and outs[0].token_ids  # the first token comes with the prefill
+    e.step()
+    _, rep = seen[-1]
+    assert rep.mode == "DECODE" and rep.added == [] and rep.finished is not None
+    assert [f.runner for f in rep.forwards] == ["target", "draft0", "draft1"]
+    assert [f.mode for f in rep.forwards] == ["TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND"]
+    assert rep.finished.iteration_miss == "no iteration graph"  # the CPU runs eager forwards
+    assert e.last_report is rep and rep.step == e.scheduler.num_steps - 1
+
+
+def test_aborts_end_waiting_and_running_requests() -> None:
+    e = tiny_engine("none", max_running_requests=1)
+    e.add_request("run", [1, 2], greedy(30))
+    e.add_request("wait", [3, 4], greedy(30))
+    e.step()
+    e.abort("run")
+    e.abort("wait")
+    outs: list[RequestOutput] = []
+    while e.has_work():
+        outs += e.step()
+    assert {o.rid: o.finish_reason for o in outs if o.finished} == {"run": "abort", "wait": "abort"}
+    assert all_free(e)
