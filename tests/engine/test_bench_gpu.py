@@ -62,7 +62,9 @@ def test_draft_ab_serves_every_engine_from_one_process(tmp_path: Path) -> None:
         assert all(x["tokens"] == 6 for x in rows)
     assert res["summary"]["none"]["speedup"] == 1.0 and "accept_len" not in res["summary"]["none"]
     s = res["summary"]["random:2"]
-    assert 1.0 <= s["accept_len"] <= 3.0 and s["ms_per_iteration"] > 0
+    # A difference of two timings (a 6-token request less a 1-token one): present, not signed on a loaded
+    # machine (timings are the benchmark's business, not the test's).
+    assert 1.0 <= s["accept_len"] <= 3.0 and isinstance(s["ms_per_iteration"], float)
     assert all(x["verifies"] >= 5 / 3 for x in res["samples"]["random:2"])
     with pytest.raises(SystemExit):
         ab.main(["--model", "tiny-dummy", "--drafts", "none", "--dataset", str(data), "--max-new-tokens", "1"])
