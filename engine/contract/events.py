@@ -18,14 +18,14 @@ import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Annotated, Literal, TypeAlias
+from typing import IO, Annotated, Final, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 # Bump on any change that an older reader would misread (renamed/removed field, changed meaning).
 # Adding an optional field does not need a bump: readers ignore fields they do not know.
 SCHEMA_VERSION = 1
-RECORDING_FORMAT = "mleagle-events"
+RECORDING_FORMAT: Final = "mleagle-events"  # Final: typed as the Literal that RecordingHeader.format is
 
 # Forward modes as the engine's ForwardBatch names them. IDLE is a scheduler step with nothing to run.
 Mode: TypeAlias = Literal["EXTEND", "DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "MIXED", "IDLE"]

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
@@ -221,7 +221,8 @@ class Tokenizer:
         plain = self._plain_tokenizer()
         for i, piece in enumerate(specials_re.split(text)):
             if i % 2:  # a marker the template wrote
-                ids.append(self.tok.token_to_id(piece))
+                # an added token's own text (specials_re is built from them), so the lookup never misses
+                ids.append(cast(int, self.tok.token_to_id(piece)))
             elif piece:
                 ids += plain.encode(_ESCAPED.sub(unescape, piece), add_special_tokens=False).ids
         return ids

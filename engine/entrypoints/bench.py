@@ -215,7 +215,9 @@ def hf_build(engine: Any, dtype: Any = None) -> Any:
 
     a = engine.arch
     eos = a.eos_ids[0] if a.eos_ids else 0
-    cfg = LlamaConfig(
+    # rope_theta: a parameter of transformers 4.x (which pyproject allows); 5.x takes it as a legacy keyword
+    # (into rope_parameters) that its typed signature does not declare
+    cfg = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,

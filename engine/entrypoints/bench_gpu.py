@@ -111,7 +111,9 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
     """Each batch through `Engine.generate` in turn (after a warm-up on the first); tok/s = all tokens over
     the summed walls, accept length pooled over every verify."""
     gen_once(engine, batches[0], min(n, 16))  # warm-up at this batch size (Triton JIT, cuBLAS heuristics)
-    wall, toks, outs = 0.0, [], []
+    wall = 0.0
+    toks: list[list[int]] = []
+    outs: list[Any] = []
     for b in batches:
         w, t, o = gen_once(engine, b, n)
         wall, toks, outs = wall + w, toks + t, outs + list(o)
@@ -310,7 +312,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 continue
             sweep(e, f"target graphs {name}")
             del e
-    for c, over in (("spec", {}), ("spec-eager", {"cuda_graph": False}), ("spec-per-forward", {"iteration_graph": False})):
+    spec_runs: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("spec", {}), ("spec-eager", {"cuda_graph": False}), ("spec-per-forward", {"iteration_graph": False}))
+    for c, over in spec_runs:
         if c not in configs:
             continue
         sim = a.simulate_accept_len is not None

@@ -201,7 +201,7 @@ def tiny_acceptance(steps: int, seed: int = 0) -> dict[str, Any]:
             for layer in e.model.layers:
                 a = layer.self_attn
                 a.qkv_proj.weight[: (a.hq + a.hk) * a.d] *= 8.0
-            e.model.lm_head.weight *= 25.0
+            e.model.lm_head.weight.mul_(25.0)
         return e
 
     rng = random.Random(seed)

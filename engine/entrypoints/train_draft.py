@@ -340,6 +340,7 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
         vocab_ids, counts = pick_vocab(a, train_s, model.arch.vocab_size, eos)
     cov = None
     if vocab_ids is not None:
+        assert counts is not None  # counted wherever a vocabulary is picked or kept
         cov = {"train": round(coverage(counts, vocab_ids), 5),
                "heldout": round(coverage(response_counts(held, model.arch.vocab_size), vocab_ids), 5) if held else None}
         log(f"train: draft vocabulary {len(vocab_ids)} ids, response-token coverage {cov}")

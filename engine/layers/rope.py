@@ -31,6 +31,9 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.
 
 
 class RotaryEmbedding(torch.nn.Module):
+    cos: torch.Tensor  # [max_pos, D] buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype):
         super().__init__()
         t = torch.arange(max_pos, dtype=torch.int64).float()

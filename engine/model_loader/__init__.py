@@ -19,7 +19,7 @@ from mleagle.engine.model_loader.names import LoadedModel, check_weights, expect
 
 def load_model(src: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
     """Load weights for `src` in `dtype` on `device` (dummy weights are generated there directly)."""
-    fmt = src.load_format
+    fmt: str = src.load_format  # "" while auto-detection has not found one
     path = src.resolved_path()
     if fmt == "auto":
         if path is None:

@@ -21,6 +21,8 @@ consumers (draft layers) and the head gathers only its logit rows (`ParallelLMHe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
@@ -30,8 +32,12 @@ from mleagle.engine.executor.forward_batch import ForwardBatch
 from mleagle.engine.layers.activation import SiluAndMul
 from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mleagle.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from mleagle.engine.layers.module_list import ModuleListOf
 from mleagle.engine.layers.norm import RMSNorm
 from mleagle.engine.layers.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from mleagle.engine.attention.base import AttentionBackend
 
 
 class Attention(nn.Module):
@@ -49,8 +55,11 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True) -> torch.Tensor:
         assert batch.binding is not None
-        # The bound backend rotates q and k, stores k and v in its own pool, and attends.
-        o = batch.binding.backend.forward(self.layer_id, self.qkv_proj(x), positions, self.rope, batch)
+        # The bound backend rotates q and k, stores k and v in its own pool, and attends. A binding's
+        # backend is always an AttentionBackend; the binding's Backend protocol names only what the
+        # executor needs of it.
+        backend = cast("AttentionBackend", batch.binding.backend)
+        o = backend.forward(self.layer_id, self.qkv_proj(x), positions, self.rope, batch)
         return self.o_proj(o, reduce)
 
 
@@ -116,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(a.head_dim, max_positions or a.max_position_embeddings, a.rope_theta,
                                     a.rope_scaling, dtype)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, dtype, self.tp)
-        self.layers = nn.ModuleList(DecoderLayer(a, i, self.rope, dtype, self.tp) for i in range(a.num_hidden_layers))
+        self.layers = ModuleListOf(DecoderLayer(a, i, self.rope, dtype, self.tp) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype,
                                       tied=self.embed_tokens if a.tie_word_embeddings else None, tp=self.tp)
@@ -140,12 +149,13 @@ class LlamaForCausalLM(nn.Module):
             h = c.scatter_tokens(self.embed_tokens(batch.input_ids, reduce=False))
         else:
             h = self.embed_tokens(batch.input_ids)
-        res = None
-        aux = []
+        res: torch.Tensor | None = None
+        aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             h, res = layer(batch.positions, h, res, batch, c)
             if i in self.aux_layers:
                 aux.append(h + res)
+        assert res is not None  # set by the first layer
         s = h + res
         if aux:
             s = torch.cat([s, *aux], dim=-1)

@@ -240,7 +240,8 @@ def import_mtp(p: Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[s
     layers = []
     for k in sorted(groups):
         g = groups[k]
-        w = {key: g[key] for key in ("enorm.weight", "hnorm.weight", "eh_proj.weight") if key in g}
+        w: dict[str, torch.Tensor] = {
+            key: g[key] for key in ("enorm.weight", "hnorm.weight", "eh_proj.weight") if key in g}
         for fn in _FINAL_NORMS:
             if fn in g:
                 w["norm.weight"] = g[fn]

@@ -43,6 +43,7 @@ from mleagle.engine.executor.forward_batch import ForwardBatch
 from mleagle.engine.kernels import fused_layers_on
 from mleagle.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_shard
 from mleagle.engine.layers.linear import linear
+from mleagle.engine.layers.module_list import ModuleListOf
 from mleagle.engine.layers.norm import RMSNorm
 from mleagle.engine.layers.rope import RotaryEmbedding
 from mleagle.engine.models.llama import DecoderLayer
@@ -147,11 +148,11 @@ class MTPLayer(nn.Module):
         self.eh_proj.weight.requires_grad_(False)
         self.aux = aux
         if aux:
-            self.anorm = nn.ModuleList(RMSNorm(h, arch.rms_norm_eps, dtype) for _ in range(aux))
+            self.anorm = ModuleListOf(RMSNorm(h, arch.rms_norm_eps, dtype) for _ in range(aux))
             self.aux_proj = nn.Linear(aux * h, h, bias=False, dtype=dtype)
             self.aux_proj.weight.requires_grad_(False)
         tp = LOCAL if replicate else self.tp
-        self.blocks = nn.ModuleList(DecoderLayer(arch, i, rope, dtype, tp) for i in range(blocks))
+        self.blocks = ModuleListOf(DecoderLayer(arch, i, rope, dtype, tp) for i in range(blocks))
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self._nw: torch.Tensor | None = None  # the input norms' weights stacked (fuse_kernel)
         self._nw_key: tuple[tuple[int, int], ...] = ()
@@ -163,7 +164,7 @@ class MTPLayer(nn.Module):
     @property
     def block(self) -> DecoderLayer:
         """The first (usually only) decoder block."""
-        return self.blocks[0]  # type: ignore[return-value]
+        return self.blocks[0]
 
     @property
     def num_kv_layers(self) -> int:
@@ -260,7 +261,7 @@ class DraftStack(nn.Module):
         self.arch, self.chain = arch, chain
         self.aux_layers = aux_layers
         self.head = DraftHead(lm_head, vocab_ids)
-        self.layers = nn.ModuleList(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head, blocks,
+        self.layers = ModuleListOf(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head, blocks,
                                              len(aux_layers) if k == 0 else 0)
                                     for k in range(num_layers))
 

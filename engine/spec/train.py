@@ -431,7 +431,9 @@ class Trainer:
             if saved != getattr(self.cfg, key):
                 raise ValueError(f"{f}: saved with {key}={saved}, now {getattr(self.cfg, key)}")
         sv, cur = st["vocab_ids"], self.stack.vocab_ids
-        if (sv is None) != (cur is None) or (sv is not None and not torch.equal(sv.cpu(), cur.cpu())):
+        same = (sv is None and cur is None) or (
+            sv is not None and cur is not None and torch.equal(sv.cpu(), cur.cpu()))
+        if not same:
             raise ValueError(f"{f}: saved with another draft vocabulary")
         with torch.no_grad():
             for n, p in named_trainable(self.stack).items():

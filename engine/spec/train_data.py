@@ -193,7 +193,9 @@ def write_shard(d: Path, i: int, recs: Sequence[Record], vocab_size: int) -> dic
     }
     name = f"shard_{i:05d}.npz"
     tmp = d / (name + ".tmp.npz")
-    np.savez(tmp, **arrays)
+    # allow_pickle named (numeric arrays only; np.load refuses pickles anyway) so that a type checker does
+    # not match **arrays against it
+    np.savez(tmp, allow_pickle=False, **arrays)
     tmp.replace(d / name)  # atomic: a killed run never leaves half a shard under a shard's name
     by_source: dict[str, int] = {}
     for r in recs:
@@ -490,7 +492,7 @@ def export_data(d: str | Path, dest: str | Path) -> dict[str, Any]:
             base += int(z["offsets"][-1])
     arrays = {k: np.concatenate(v) for k, v in parts.items()}
     tmp = Path(str(dest) + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
+    np.savez_compressed(tmp, allow_pickle=False, **arrays)  # allow_pickle named: see write_shard
     tmp.replace(dest)
     return {"file": Path(dest).name, "seqs": len(arrays["job"]), "tokens": base,
             "bytes": Path(dest).stat().st_size}

@@ -7,13 +7,16 @@ the panels only render. Shared rendering helpers (text bars, number formats) liv
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from rich.text import Text
 from textual.containers import Vertical
 from textual.widgets import DataTable
 
 from mleagle.tui.model import Dashboard
+
+# What the panels' tables hold: plain or styled text.
+Cell: TypeAlias = str | Text
 
 
 class Panel(Vertical):

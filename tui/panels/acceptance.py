@@ -58,8 +58,8 @@ class AcceptancePanel(Panel):
         tot = sum(m.accept_hist.values()) or 1
         top = max(m.accept_hist.values(), default=1)
         for k in range(1, m.S + 2):
-            c = m.accept_hist.get(k, 0)
-            h.add_row(str(k), str(c), f"{100 * c / tot:.1f}%", Text("▇" * round(30 * c / top), style="cyan"))
+            cnt = m.accept_hist.get(k, 0)
+            h.add_row(str(k), str(cnt), f"{100 * cnt / tot:.1f}%", Text("▇" * round(30 * cnt / top), style="cyan"))
         self.query_one("#acc-hist", Static).update(h)
         self.query_one("#acc-spark", Sparkline).data = list(m.spark_accept)
 

@@ -12,7 +12,7 @@ from textual.widgets import DataTable
 
 from mleagle.engine.contract.events import BatchEvent
 from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, append_rows
+from mleagle.tui.panels import Cell, Panel, append_rows
 
 MODE_STYLE = {"EXTEND": "magenta", "DECODE": "cyan", "TARGET_VERIFY": "bold green", "DRAFT_EXTEND": "blue",
               "MIXED": "yellow", "IDLE": "grey50"}
@@ -32,7 +32,7 @@ class BatchesPanel(Panel):
     MAX_ROWS = 300
 
     def compose(self) -> ComposeResult:
-        t = DataTable(id="batches-table", zebra_stripes=True, cursor_type="row")
+        t: DataTable[Cell] = DataTable(id="batches-table", zebra_stripes=True, cursor_type="row")
         t.add_columns("step", "runner", "mode", "bs", "padded", "tokens", "graph", "eager reason", "ms", "requests")
         self.shown = 0
         yield t

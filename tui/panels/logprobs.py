@@ -17,7 +17,7 @@ from textual.widgets import DataTable, Static
 from mleagle.engine.contract.event_bus import runner_order
 from mleagle.engine.contract.events import LogprobMetaEvent
 from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, append_rows
+from mleagle.tui.panels import Cell, Panel, append_rows
 
 BAD = "bold white on dark_red"
 
@@ -42,7 +42,7 @@ class LogprobsPanel(Panel):
 
     def compose(self) -> ComposeResult:
         yield Static("no logprob metadata yet", id="lpm-summary")
-        t = DataTable(id="lpm-table", zebra_stripes=True, cursor_type="row")
+        t: DataTable[Cell] = DataTable(id="lpm-table", zebra_stripes=True, cursor_type="row")
         t.add_columns("step", "runner", "mode", "bs", "W", "logit rows", "expected", "tokens/rank",
                       "logprob tokens/rank", "agree")
         self.shown = 0

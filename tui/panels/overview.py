@@ -15,7 +15,7 @@ from textual.widgets import Label, Sparkline, Static
 
 from mleagle.engine.contract.event_bus import runner_order
 from mleagle.tui.model import Dashboard
-from mleagle.tui.panels import Panel, fmt_f
+from mleagle.tui.panels import Cell, Panel, fmt_f
 
 
 class OverviewPanel(Panel):
@@ -47,7 +47,7 @@ class OverviewPanel(Panel):
         last_acc = m.spark_accept[-1] if m.spark_accept else None
         pools = [m.tracker.pools[k] for k in sorted(m.tracker.pools, key=runner_order)]
         kv = " ".join(f"{p.runner} {100 * p.kv_used / max(p.kv_total, 1):.0f}%" for p in pools) or "-"
-        rows = [
+        rows: list[tuple[Cell, Cell, Cell, Cell]] = [
             ("model", e.model if e else "-", "draft", (e.draft or "-") if e else "-"),
             ("spec steps S", str(m.spec_steps), "device / dtype", f"{e.device} / {e.dtype}" if e else "-"),
             ("uptime", f"{e.uptime_s:.1f} s" if e else "-", "tp size", str(e.tp_size) if e else "-"),

@@ -16,7 +16,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
 
 from mleagle.tui.model import Dashboard, RequestView
-from mleagle.tui.panels import Panel, fmt_f
+from mleagle.tui.panels import Cell, Panel, fmt_f
 
 STATE_STYLE = {"queued": "yellow", "running": "bold cyan", "finished": "green", "aborted": "red",
                "preempted": "magenta"}
@@ -30,7 +30,7 @@ def req_row(r: RequestView) -> tuple:
 
 class RequestsPanel(Panel):
     def compose(self) -> ComposeResult:
-        t = DataTable(id="requests-table", zebra_stripes=True, cursor_type="row")
+        t: DataTable[Cell] = DataTable(id="requests-table", zebra_stripes=True, cursor_type="row")
         for c in COLS:
             t.add_column(c, key=c)
         yield t
@@ -92,7 +92,7 @@ class RequestScreen(ModalScreen[None]):
                 text = ("(this server publishes token counts only; its operator can start it with "
                         "--events-include-text to show tokens and logprobs here)")
             yield Label(Text(text[-300:] if len(text) > 300 else text, style="italic"), id="req-text")
-            t = DataTable(id="tokens-table", zebra_stripes=True, cursor_type="row")
+            t: DataTable[Cell] = DataTable(id="tokens-table", zebra_stripes=True, cursor_type="row")
             t.add_columns("#", "token", "id", "logprob", "prob", "depth", "top alternatives")
             for i, tok in enumerate(r.tokens):
                 alts = "  ".join(f"{_piece(a.text) or a.token_id} {a.logprob:.2f}" for a in tok.top
