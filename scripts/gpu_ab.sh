@@ -33,7 +33,7 @@ if [ "$TESTS" = 1 ]; then
   PYTHONPATH="/tmp/mleagle-ab/new${BASE_PP:+:$BASE_PP}" "$PY" -m pytest -q -p no:cacheprovider \
     tests/engine/test_gpu_graphs.py tests/engine/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 fi
-ARGS=(--model smollm2-135m --configs graphs,spec --draft "$PWD/drafts/smollm2-135m-mtp3" --batch-sizes 1,32,64
+ARGS=(--model smollm2-135m --configs graphs,spec --draft drafts/smollm2-135m-mtp3 --batch-sizes 1,32,64
       --max-new-tokens 256 --batches 2 "$@")
 for side in ${ORDER//,/ }; do
   n=1

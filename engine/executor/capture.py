@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -57,7 +57,7 @@ class GraphStats:
 
 
 def capture_buckets(buckets: list[int], prepare: Callable[[int], M], body: Callable[[int], Out],
-                    check: Callable[[int, M, Out | None], None], *, emulate: bool, pool: object | None,
+                    check: Callable[[int, M, Out | None], None], *, emulate: bool, pool: Any,
                     stats: GraphStats) -> dict[int, Capture[M, Out]]:
     """Capture `body` for every bucket (see the module docstring); fills `stats` with time and memory."""
     t0 = time.perf_counter()

@@ -202,8 +202,8 @@ class GraphRunner:
         else:
             self.runner.binding.backend.plan(sb)
             cap.graph.replay()
+            assert cap.out is not None
             out = cap.out
-            assert out is not None
         self.stats.replays[pbs] += 1
         live = row_meta(self.mode, batch.bs, self.width, pruned=self.pruned)
         return ForwardOutput(out.logits[: live.logit_rows], out.hidden[: live.num_tokens], graph_bs=pbs)

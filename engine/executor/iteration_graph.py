@@ -86,7 +86,7 @@ class IterationGraph:
             out, _ = self.body(self.rpi[:pbs], self._live(pbs))
         else:
             cap.graph.replay()
+            assert cap.out is not None
             out = cap.out
-            assert out is not None
         self.stats.replays[pbs] += 1
         return out[:bs], pbs

@@ -122,10 +122,11 @@ class ModelRunner:
             batch = dataclasses.replace(batch, row_meta=self.row_meta(batch))
         self.binding.backend.plan(batch)
         hidden = self.model(batch)
-        if hasattr(self.model, "logits"):
-            logits = self.model.logits(hidden, batch).float()
+        m: Any = self.model  # a target (`logits`: its own head over the batch) or a draft layer
+        if hasattr(m, "logits"):
+            logits = m.logits(hidden, batch).float()
         else:
-            logits = self.model.compute_logits(hidden[batch.logit_rows]).float()
+            logits = m.compute_logits(hidden[batch.logit_rows]).float()
         rows = batch.expected_logit_rows
         if logits.shape[0] != rows:
             raise AssertionError(f"{self.name}: {logits.shape[0]} logit rows, the rule says {rows}")
@@ -150,6 +151,7 @@ def build_runner(name: str, model: nn.Module, *, num_slots: int, head_dim: int, 
     `num_kv_layers`: the target's decoder layers or a draft step's blocks), request-to-token map and
     attention backend."""
     hq, hk = rank_heads(model)
-    pool = KVPool(name, int(model.num_kv_layers), num_slots, hk, head_dim, dtype, device, page_size)
+    layers: Any = model.num_kv_layers  # the target's decoder layers or a draft step's blocks
+    pool = KVPool(name, int(layers), num_slots, hk, head_dim, dtype, device, page_size)
     r2t = ReqToTokenPool(name, max_reqs, max_context, device)
     return ModelRunner(name, model, pool, r2t, create_backend(backend, pool, r2t, hq))

@@ -53,6 +53,7 @@ class SlotState:
         self.rep, self.pres, self.freq = full(1.0, f32), full(0.0, f32), full(0.0, f32)
         self.seed, self.min_new, self.n_out, self.iters = full(0, i64), full(0, i64), full(0, i64), full(0, i64)
         self.kv_len, self.last_tok = full(0, i64), full(0, i64)
+        self.coupled = full(False, torch.bool)  # sampled with the request's own seed (see SamplingRows)
         self.drafts = torch.zeros(r, max(steps, 1), dtype=i64, device=device)
         self.draft_q: torch.Tensor | None = None  # [R, S, V] once a sampled request speculates
         self.counts: torch.Tensor | None = None  # [R, V] int32 output-token counts, once penalties appear
@@ -65,6 +66,7 @@ class SlotState:
         self.h_minp = np.zeros(r, bool)
         self.h_minnew = np.zeros(r, np.int64)
         self.h_lp = np.full(r, -1, np.int64)
+        self.h_coupled = np.zeros(r, bool)
         self._ar = torch.arange(max(steps, 1) + 1, device=device)
         self._unforced = full(-1, i64)[0]  # "no forced acceptance" for the greedy accept kernel
 
@@ -94,6 +96,7 @@ class SlotState:
         put(self.pres, [p.presence_penalty for p in ps])
         put(self.freq, [p.frequency_penalty for p in ps])
         put(self.seed, [r.seed for r in reqs])
+        put(self.coupled, [p.seed is not None and not p.greedy for p in ps])
         put(self.min_new, [p.min_new_tokens for p in ps])
         put(self.n_out, [len(r.output_ids) for r in reqs])
         put(self.iters, [0] * len(reqs))
@@ -105,6 +108,7 @@ class SlotState:
             self.h_minp[row] = not p.greedy and p.min_p > 0
             self.h_minnew[row] = p.min_new_tokens
             self.h_lp[row] = -1 if p.logprobs is None else p.logprobs
+            self.h_coupled[row] = p.seed is not None and not p.greedy
             del i
         pen = [r for r in reqs if r.params.has_penalties]
         if pen:
@@ -150,7 +154,8 @@ class SlotState:
             bans = any(len(q.output_ids) < q.params.min_new_tokens + self.steps + 1 for q in reqs)
         return RowFlags(all_greedy=bool(self.h_greedy[r].all()), penalties=bool(self.h_pen[r].any()),
                         filters=bool(self.h_filter[r].any()), min_p=bool(self.h_minp[r].any()), bans=bans,
-                        logprobs=int(self.h_lp[r].max()) if len(r) else -1)
+                        logprobs=int(self.h_lp[r].max()) if len(r) else -1,
+                        coupled=bool(self.h_coupled[r].any()))
 
     def rows(self, rpi: torch.Tensor, width: int, flags: RowFlags, offset: int = 0,
              it_offset: int = 0) -> SamplingRows:
@@ -163,7 +168,8 @@ class SlotState:
         pos = (self.n_out[rpi].view(-1, 1) + offset + self._ar[:width].view(1, -1)).view(-1)
         return SamplingRows(greedy=g(self.greedy), temperature=g(self.temperature), top_k=g(self.top_k),
                             top_p=g(self.top_p), min_p=g(self.min_p), rep=g(self.rep), pres=g(self.pres),
-                            freq=g(self.freq), seed=g(self.seed), pos=pos, it=g(self.iters) + it_offset, flags=flags)
+                            freq=g(self.freq), seed=g(self.seed), pos=pos, it=g(self.iters) + it_offset, flags=flags,
+                            coupled=g(self.coupled) if flags.coupled else None)
 
     def context(self, rpi: torch.Tensor, flags: RowFlags, drafts: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

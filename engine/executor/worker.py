@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,14 +69,14 @@ class GraphSettings:
 
 class TargetWorker:
     lookahead = 1
-    prefix_margin = 0  # cached positions a hit leaves to recompute (see SpecWorker.prefix_margin)
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
                  vocab: int = 0, max_reqs: int = 0, steps: int = 0):
         self.target = target
         self.device = torch.device(device)
         self.eos_ids = eos_ids
-        self.vocab = vocab or target.model.arch.vocab_size  # type: ignore[union-attr]
+        m: Any = target.model
+        self.vocab = vocab or int(m.arch.vocab_size)
         max_reqs = max_reqs or target.binding.req_to_token.max_reqs
         self.state = SlotState(max_reqs, self.vocab, steps, self.device, sorted(eos_ids))
         self.last_batch: ForwardBatch | None = None
@@ -94,6 +95,11 @@ class TargetWorker:
     def width(self) -> int:
         """Token rows per request in one decode iteration."""
         return 1
+
+    @property
+    def prefix_margin(self) -> int:
+        """Cached positions a prefix-cache hit leaves to recompute (see `SpecWorker.prefix_margin`)."""
+        return 0
 
     @property
     def r2t(self) -> torch.Tensor:

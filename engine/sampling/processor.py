@@ -31,6 +31,7 @@ class RowFlags:
     min_p: bool = False
     bans: bool = False  # some request still has min_new_tokens to reach
     logprobs: int = -1  # the largest top-N asked (-1: no row wants logprobs)
+    coupled: bool = False  # some sampled row brought its own seed (speculation draws from its tape)
 
     @property
     def plain(self) -> bool:
@@ -65,6 +66,9 @@ class SamplingRows:
     pos: torch.Tensor  # [N] int64: the output index this row decides
     it: torch.Tensor  # [N] int64: speculative iteration (0 for plain decoding)
     flags: RowFlags = field(default_factory=RowFlags)
+    # [N] bool: a sampled row whose request brought its own seed; under speculation its tokens are the
+    # target-only draws of its (seed, position) tape (`SpecWorker._reject`). None: no such row.
+    coupled: torch.Tensor | None = None
 
     @property
     def n(self) -> int:

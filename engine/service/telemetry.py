@@ -96,9 +96,11 @@ class Telemetry:
                                    duration_s=duration if f is main else times[k] if k < len(times) else 0.0,
                                    num_running=len(s.running), num_waiting=len(s.waiting)))
         if last is not None and last.bs:
-            depth = [sum(1 for n in last.accepted if n > j) for j in range(w.steps)]
-            bus.emit(ev.AcceptanceEvent(step=step, S=w.steps, bs=last.bs, accepted_per_depth=depth,
-                                        accept_lens=[n + 1 for n in last.accepted], rids=list(main.rids),
+            steps = int(getattr(w, "steps", 0))
+            depth = [sum(1 for n in last.accepted if n > j) for j in range(steps)]
+            bus.emit(ev.AcceptanceEvent(step=step, S=steps, bs=last.bs, accepted_per_depth=depth,
+                                        accept_lens=[n + 1 for n in last.accepted],
+                                        rids=list(main.rids) if main is not None else [],
                                         draft_time_s=last.draft_s, verify_time_s=last.verify_s,
                                         draft_time_per_layer_s=list(last.draft_layer_s)))
         for u in self.e.pool_usage():
@@ -121,8 +123,8 @@ class Telemetry:
         for o in outputs:
             toks = None
             if with_tokens and o.logprobs:
-                n = accepted.get(o.rid)
-                depths = [*range(1, n + 1), 0] if n is not None else [0] * len(o.logprobs)
+                acc = accepted.get(o.rid)
+                depths = [*range(1, acc + 1), 0] if acc is not None else [0] * len(o.logprobs)
                 toks = [ev.TokenEvent(token_id=lp.token_id, text=tok.decode([lp.token_id]) if tok else None,
                                       logprob=lp.logprob, depth=depths[j] if j < len(depths) else None,
                                       top=[ev.TopToken(token_id=t, text=tok.decode([t]) if tok else None, logprob=v)

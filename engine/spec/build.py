@@ -41,7 +41,8 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         kind, s, seed, chain = parse_spec(ecfg.draft)
     except ValueError as err:
         raise EngineInputError(str(err)) from err
-    vocab_ids, blocks, aux_layers = None, 1, ()
+    vocab_ids, blocks = None, 1
+    aux_layers: tuple[int, ...] = ()
     if kind == "random":
         layers = [random_layer_weights(arch, seed, k) for k in range(s or 0)]
         darch = arch

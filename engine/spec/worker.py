@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -53,6 +54,7 @@ from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
+from mleagle.engine.spec.draft_model import MTPLayer
 
 
 @dataclass
@@ -111,6 +113,10 @@ class SpecWorker(TargetWorker):
     @property
     def iteration_name(self) -> str:
         return f"verify + accept + {self.steps} draft steps"
+
+    def _layer(self, k: int) -> MTPLayer:
+        """Draft step k's layer (its runner's model)."""
+        return cast(MTPLayer, self.drafts[k].model)
 
     def _forced(self) -> torch.Tensor | None:
         """A forced accepted count for every request (a device scalar), or None: serving never forces.
@@ -191,7 +197,7 @@ class SpecWorker(TargetWorker):
         and q back to the target's vocabulary. Written to the slot state's drafts; returned for the next
         step's id window."""
         st = self.state
-        head = self.drafts[k].model.head
+        head = self._layer(k).head
         if flags.all_greedy:
             d = head.to_target_ids(logits.argmax(-1))
         else:
@@ -200,7 +206,11 @@ class SpecWorker(TargetWorker):
             rk = dataclasses.replace(rows, pos=rows.pos + k)
             q = probs_from_logits(logits.float(), rk)
             d = head.to_target_ids(torch.where(rk.greedy, logits.argmax(-1), draw(q, rk, rng.STREAM_DRAFT)))
-            st.set_draft_q(rpi, k, head.scatter_probs(q))
+            qt = head.scatter_probs(q)  # over the target's vocabulary
+            if rk.coupled is not None:  # a seeded request proposes the draw of its own tape (see `_couple`)
+                e = rng.exponential(rng.keys(rk.seed, rk.pos, rng.STREAM_TOKEN, 0), qt.shape[1])
+                d = torch.where(rk.coupled, (qt / e).argmax(-1), d)
+            st.set_draft_q(rpi, k, qt)
         st.set_drafts(rpi, k, d, live)
         return d
 
@@ -288,7 +298,27 @@ class SpecWorker(TargetWorker):
         key = rng.keys(rows.seed.view(bs, w)[:, 0], pos_n, stream, rows.it.view(bs, w)[:, 0])
         samp = (res / rng.exponential(key, v)).argmax(-1)
         final = torch.where(greedy, pred.gather(1, n.view(-1, 1)).view(-1), samp)
+        if rows.coupled is not None:
+            n, final = self._couple(p, rows, drafts, n, final, bs, w)
         return n, final
+
+    @staticmethod
+    def _couple(p: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, n: torch.Tensor, final: torch.Tensor,
+                bs: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeded sampled requests: the token at output position o is the target-only draw of the
+        request's tape, argmax p_o / E(seed, o) (the exponential race of `sampler.draw`, iteration 0);
+        a draft is accepted while it equals that draw. Each token is then an exact sample of the target
+        given its prefix, and the output is the one target-only sampling makes with the same seed,
+        whatever the drafts were (so whatever the prefix cache handed the draft layers and whatever
+        the batch held). It costs acceptance against rejection sampling, which the others keep."""
+        s, v = w - 1, p.shape[2]
+        e = rng.exponential(rng.keys(rows.seed, rows.pos, rng.STREAM_TOKEN, 0), v).view(bs, w, v)
+        tape = (p / e).argmax(-1)  # [bs, W]: the target-only draw at each verify row's position
+        nc = (drafts == tape[:, :s]).to(torch.int64).cumprod(1).sum(1)
+        fc = tape.gather(1, nc.view(-1, 1)).view(-1)
+        assert rows.coupled is not None
+        c = rows.coupled.view(bs, w)[:, 0]
+        return torch.where(c, nc, n), torch.where(c, fc, final)
 
     @staticmethod
     def _accept_uniform(rows: SamplingRows, bs: int, w: int) -> torch.Tensor:
@@ -312,7 +342,7 @@ class SpecWorker(TargetWorker):
             o = self._forward(runner, b, eager)
             metas.append(runner.row_meta(b))
             if flags.all_greedy:  # argmax, vocabulary map, state write and window rotate (fused on CUDA)
-                _, ids = self.state.draft_greedy(o.logits, runner.model.head.vocab_ids, rpi, k, live, ids, n)
+                _, ids = self.state.draft_greedy(o.logits, self._layer(k).head.vocab_ids, rpi, k, live, ids, n)
             else:
                 d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
                 ids = rotate(ids, n, d)  # every window shifts left, the new draft at the last accepted row

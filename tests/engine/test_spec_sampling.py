@@ -3,9 +3,12 @@
 A 12-token vocabulary model and a random (so quite different) draft. For one prompt the exact
 target distribution of the 2nd and 3rd generated tokens (o1, o2) is computed from target-only
 logits of every prefix (o0 and o0 o1), with the request's temperature and filters applied; thousands
-of seeded speculative requests are then compared with it by a chi-square test, for several
-temperatures, top-p values, and top-k with min-p. The same test with acceptance forced to
-always-accept must reject, so the test can fail.
+of speculative requests are then compared with it by a chi-square test, for several temperatures,
+top-p values, and top-k with min-p, on both acceptance paths: requests that bring their own seed
+(coupled: the target-only draw of the seed's tape, a draft accepted while it equals it) and requests
+that do not (Leviathan/Chen rejection sampling with the draft's distributions). Each path, broken to
+accept every draft, must be rejected by the same test, so the test can fail. Seeded requests also give
+exactly the target-only tokens, with any draft, alone or batched, on a prefix-cache miss or hit.
 """
 
 from __future__ import annotations
@@ -78,9 +81,11 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def _sample(draft: str, sp: SamplingParams) -> tuple[torch.Tensor, Engine]:
+def _sample(draft: str, sp: SamplingParams, seeded: bool = True) -> tuple[torch.Tensor, Engine]:
+    """N requests of the prompt; `seeded`: each brings its own seed (the coupled path), else the engine
+    seeds them (the rejection-sampling path)."""
     e = _engine(draft)
-    params = [sp.model_copy(update={"seed": 1000 + i, "max_new_tokens": 3}) for i in range(N)]
+    params = [sp.model_copy(update={"seed": 1000 + i if seeded else None, "max_new_tokens": 3}) for i in range(N)]
     out = e.generate([PROMPT] * N, params)
     counts = torch.zeros(V, V, dtype=torch.int64)
     for c in out:
@@ -97,9 +102,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("sp", CASES, ids=["t1", "t0.7-p0.9", "t1.5-p0.8", "t1-k5-minp"])
-def test_speculative_samples_match_target_distribution(sp: SamplingParams) -> None:
-    counts, e = _sample("random:2:4", sp)
+# Rejection sampling over every case; the coupled path over two (its tokens are the target-only draws,
+# which `test_seeded_samples_equal_target_only_whatever_the_drafts` shows and the target-only test covers).
+PATHS = [(sp, False) for sp in CASES] + [(CASES[1], True), (CASES[3], True)]
+
+
+@pytest.mark.parametrize(("sp", "seeded"), PATHS,
+                         ids=["t1", "t0.7-p0.9", "t1.5-p0.8", "t1-k5-minp", "coupled-t0.7-p0.9", "coupled-t1-k5-minp"])
+def test_speculative_samples_match_target_distribution(sp: SamplingParams, seeded: bool) -> None:
+    counts, e = _sample("random:2:4", sp, seeded)
     st = e.worker.stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both accept and reject paths ran
     assert _chi2_pvalue(counts, _expected(sp)) > 1e-3
@@ -116,6 +127,46 @@ def test_always_accept_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     """Break rejection sampling (accept every draft the target could produce): the test must notice."""
     monkeypatch.setattr(SpecWorker, "_accept_uniform", staticmethod(lambda rows, bs, w: torch.zeros(bs, w - 1)))
     sp = CASES[0]
-    counts, e = _sample("random:2:4", sp)
+    counts, e = _sample("random:2:4", sp, seeded=False)
     assert e.worker.stats.num_accepted_tokens > 0
     assert _chi2_pvalue(counts, _expected(sp)) < 1e-6
+
+
+def test_coupled_always_accept_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break the coupled path (every draft accepted, whatever the tape drew): the test must notice."""
+    real = SpecWorker._couple
+
+    def broken(p, rows, drafts, n, final, bs, w):  # type: ignore[no-untyped-def]
+        nc, fc = real(p, rows, drafts, n, final, bs, w)
+        full = torch.full_like(nc, w - 1)
+        return full, fc
+
+    monkeypatch.setattr(SpecWorker, "_couple", staticmethod(broken))
+    sp = CASES[0]
+    counts, e = _sample("random:2:4", sp, seeded=True)
+    assert e.worker.stats.num_accepted_tokens == e.worker.stats.num_draft_tokens
+    assert _chi2_pvalue(counts, _expected(sp)) < 1e-6
+
+
+@pytest.mark.parametrize("draft", ["random:2:4", "random:3:1:nochain"])
+def test_seeded_samples_equal_target_only_whatever_the_drafts(draft: str) -> None:
+    """A seeded sampled request gives the target-only tokens exactly: with a draft or without, alone or
+    in a batch with other (seeded, unseeded, greedy) requests, on a prefix-cache miss and a hit."""
+    cfg = tiny_cfg()
+    sps = [SamplingParams(temperature=0.8, seed=7, max_new_tokens=24),
+           SamplingParams(temperature=1.2, top_p=0.9, top_k=20, seed=11, max_new_tokens=20, repetition_penalty=1.1)]
+    prompts = [list(range(30, 50)), list(range(30, 44)) + [3, 4]]  # a shared 14-token prefix
+    ref = Engine(cfg, draft="none", enable_prefix_cache=False)
+    chaos(ref)
+    want = [c.token_ids for c in ref.generate(prompts, sps)]
+    e = Engine(cfg, draft=draft)
+    chaos(e)
+    alone = [e.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, sps)]  # the second one hits the cache
+    assert e.scheduler.prefix_hits > 0
+    again = [e.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, sps)]  # both hit now
+    mixed = e.generate([prompts[1], [5, 6, 7], prompts[0], [9, 9, 1]],
+                       [sps[1], SamplingParams(temperature=0.9, max_new_tokens=30), sps[0],
+                        SamplingParams(temperature=0.0, max_new_tokens=12)])
+    assert alone == want and again == want
+    assert [mixed[2].token_ids, mixed[0].token_ids] == want
+    assert e.worker.stats.num_accepted_tokens > 0

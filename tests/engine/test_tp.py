@@ -26,7 +26,7 @@ from mleagle.engine.core.engine import Engine, EngineInputError, tp_shape_errors
 from mleagle.engine.executor.forward_batch import ForwardMode, row_meta
 from tests.spec_helpers import tiny_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
