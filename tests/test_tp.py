@@ -152,11 +152,12 @@ def test_seed_regression_draft_extend_logprob_rows_under_scattered_tp(ranks: lis
 def test_startup_validation_names_what_does_not_divide() -> None:
     with pytest.raises(EngineInputError, match="num_attention_heads=3 is not divisible by tp_size=2"):
         Engine(tiny_cfg(heads=3, kv=1, hidden=48), tp_size=2)
-    with pytest.raises(EngineInputError, match="intermediate_size=131"):
+    with pytest.raises(EngineInputError, match=r"intermediate_size=131 .*; run it without tensor parallelism"):
         Engine(tiny_cfg(inter=131), tp_size=2)
     cfg = tiny_cfg(heads=6, kv=3, hidden=48, inter=96)
     assert tp_shape_errors(cfg.model.arch, 2, "") == [
-        "num_key_value_heads=3 neither divides nor is divisible by tp_size=2"]
+        "num_key_value_heads=3 neither divides nor is divisible by tp_size=2; use --tp 1, 3 or 6 (tp_size under "
+        "[engine])"]  # the fix: the sizes it divides into
     assert tp_shape_errors(cfg.model.arch, 3, "") == []
     assert tp_shape_errors(tiny_cfg(kv=1).model.arch, 4, "draft ") == []  # one KV head, replicated
 
