@@ -140,6 +140,12 @@ def test_a_stranger_cannot_stop_or_steer_the_rendezvous_store(tp_srv: ServerProc
     assert stat.S_IMODE(store_dir.stat().st_mode) == 0o700
     fs = FileStore(str(store_dir / "store"), -1)
     fs.set("mleagle/failed", "a stranger says the engine failed")
+    keys = fs.list_keys()  # the namespaced keys are in plain sight here: forge a value under each
+    ns = {k.split("/", 1)[0] for k in keys if k.endswith("mleagle/config")}
+    assert len(ns) == 1, keys
+    fs.set(f"{ns.pop()}/mleagle/failed", "x" * 32 + "a stranger says the engine failed")
+    for k in keys:
+        fs.set(k, "garbage")
     assert KEY.encode() not in (store_dir / "store").read_bytes()  # the API key is not in the store either
     time.sleep(4 * 0.5 + 1)
     st, health = tp_srv.get("/health")
@@ -152,10 +158,10 @@ async def test_a_dead_rank_ends_streams_with_engine_dead(tp_srv: ServerProc) -> 
     d = tp_srv.engine()
     follower = children(d["pid"])[0]
     store_dirs = {str(Path(f).parent) for f in open_files([d["pid"]]) if "/mleagle-tp-" in f}
-    first = asyncio.Event()
+    firsts = [asyncio.Event() for _ in range(3)]
     async with aiohttp.ClientSession(headers=tp_srv.headers) as s:
-        jobs = [asyncio.create_task(gen_stream(s, tp_srv.url, 1000, first)) for _ in range(3)]
-        await asyncio.wait_for(first.wait(), 60)
+        jobs = [asyncio.create_task(gen_stream(s, tp_srv.url, 1000, f)) for f in firsts]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 60)  # every stream under way
         os.kill(follower, signal.SIGKILL)
         res = await asyncio.wait_for(asyncio.gather(*jobs), 60)
     for r in res:

@@ -191,6 +191,7 @@ class SignedStore(dist.Store):
         self.raw = raw
         self._mac_key = hmac.new(secret, b"mleagle-tp-store-mac", hashlib.sha256).digest()
         self.ns = hmac.new(secret, b"mleagle-tp-store-namespace", hashlib.sha256).hexdigest()[:32] + "/"
+        self.warned = False  # a forged value was seen and logged
 
     def _k(self, key: str) -> str:
         return self.ns + key
@@ -314,7 +315,9 @@ def _failure(store: SignedStore) -> str | None:
     try:
         return store.get(FAILED_KEY).decode(errors="replace")
     except StoreTampered:
-        log.warning("ignored a failure report in the rendezvous store that is not signed with the engine's secret")
+        if not store.warned:  # once per connection: a forged value stays there, and this runs every heartbeat
+            store.warned = True
+            log.warning("ignored a failure report in the rendezvous store that is not signed with the engine's secret")
         return None
 
 
