@@ -191,3 +191,34 @@ def test_a_shape_that_does_not_divide_is_refused_with_the_fix(tmp_path: Path) ->
     log = s.log()
     assert "num_attention_heads=3 is not divisible by tp_size=2" in log, log
     assert "use --tp 1 or 3" in log, log  # the fix: the sizes this model divides into
+
+
+def test_signed_store_and_secret_file(tmp_path: Path) -> None:
+    """The pieces under the above: values tagged and checked, keys namespaced, counters signed; a
+    secret file others can read, or too short to be a secret, is refused with the fix."""
+    from torch.distributed import FileStore
+
+    from mleagle.engine.service.ranks import SignedStore, StoreTampered, read_secret_file
+
+    raw = FileStore(str(tmp_path / "store"), -1)
+    a, b = SignedStore(raw, b"s" * 32), SignedStore(raw, b"t" * 32)
+    a.set("mleagle/config", "{}")
+    assert a.get("mleagle/config") == b"{}" and a.check(["mleagle/config"])
+    assert not raw.check(["mleagle/config"]) and not b.check(["mleagle/config"])  # under a's namespace only
+    raw.set(a.ns + "mleagle/failed", b"\0" * 32 + b"forged")
+    with pytest.raises(StoreTampered):
+        a.get("mleagle/failed")
+    raw.set(a.ns + "moved", raw.get(a.ns + "mleagle/config"))  # a valid value under another key
+    with pytest.raises(StoreTampered):
+        a.get("moved")
+    assert a.add("n", 2) == 2 and a.add("n", 3) == 5 and a.get("n") == b"5"
+    f = tmp_path / "secret"
+    f.write_text("x" * 64)
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        read_secret_file(str(f))
+    f.chmod(0o600)
+    assert read_secret_file(str(f)) == b"x" * 64
+    f.write_text("short")
+    with pytest.raises(ValueError, match="at least 32"):
+        read_secret_file(str(f))

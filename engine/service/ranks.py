@@ -412,6 +412,12 @@ class Watchdog(threading.Thread):
         except Exception as e:
             rt.die(f"rank {rt.rank}: cannot reach the rendezvous store ({e})", report=False)
             return
+        try:
+            self._watch(rt, store, beats)
+        finally:
+            beats.close()
+
+    def _watch(self, rt: Runtime, store: SignedStore, beats: _FileBeats | _StoreBeats) -> None:
         others = [r for r in range(rt.size) if r != rt.rank]
         seen: dict[int, tuple[int, float]] = {}
         while not self.halt.wait(HEARTBEAT_S):
