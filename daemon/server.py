@@ -3,7 +3,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI; JSON or SSE streaming),
 `GET /v1/models`, `GET /health` (no API key), `GET /metrics` (Prometheus), `POST /generate` (native),
 `GET /v1/events` (state events over WebSocket), `GET /debug/engine` (fresh pool usage and counters).
-One middleware checks the API key (as bytes: a header that is not UTF-8 is just a wrong key), turns
+One middleware checks the API key (as bytes: a header that is not UTF-8 is just a wrong key; a request
+carrying `Authorization` twice is refused with 400, since a proxy may have checked the other), turns
 every failure into an OpenAI error body, counts HTTP statuses, and writes every plain response under
 `write_timeout_s`. Bodies are read by `body.read_json` (size, time, strict JSON). Admission control
 happens before the engine sees a request: the server answers 503 while the engine is down or the
