@@ -1,8 +1,9 @@
 """Reading a request body safely: its size, its time, UTF-8, strict JSON, nesting, Unicode, huge integers.
 
 `read_json` is the one way a route gets its body. It answers 413 past `max_body_bytes`, 408 when the
-body does not arrive within `body_timeout_s` (a client announcing more bytes than it sends), and 400
-for what is not a JSON object in strict JSON: invalid UTF-8, `NaN`/`Infinity` (Python's json accepts
+body does not arrive within `body_timeout_s` (a client announcing more bytes than it sends), 400 for a
+body its `Content-Encoding` cannot decode (`Content-Encoding: gzip` on bytes that are not gzip), and
+400 for what is not a JSON object in strict JSON: invalid UTF-8, `NaN`/`Infinity` (Python's json accepts
 them, JSON does not), nesting deeper than `MAX_DEPTH` (or so deep that the parser itself gives up),
 and lone surrogates (`"\\ud800"` is valid JSON text but not Unicode: it cannot be encoded, tokenized
 or sent to the engine), each named by its dotted path in `param` ("stop.1", "messages.0.content").
@@ -18,6 +19,8 @@ import json
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from mleagle.daemon.errors import APIError
 
@@ -102,6 +105,18 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> d
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g}s", code="body_timeout",
                        headers={"Connection": "close"}) from None
+    except (RequestPayloadError, HttpProcessingError) as e:
+        # A body its Content-Encoding cannot decode (not gzip, truncated), or a chunked framing error:
+        # the client's fault. The payload stream is broken now: mark it ended, so aiohttp does not try
+        # to drain the rest after the response (and log that as an unhandled exception), and close
+        # the connection (its remaining bytes cannot be read as a next request).
+        request.content.feed_eof()
+        enc = request.headers.get("Content-Encoding")
+        cause = e.__cause__ if isinstance(e.__cause__, HttpProcessingError) else e
+        why = str(getattr(cause, "message", "") or cause).strip() or type(cause).__name__
+        msg = f"the request body is not valid {enc} (Content-Encoding: {enc})" if enc else \
+            f"the request body cannot be read: {why}"
+        raise APIError(400, msg, code="invalid_body_encoding", headers={"Connection": "close"}) from None
     if len(raw) > THREAD_BYTES:
         return await asyncio.to_thread(parse_json, raw)
     return parse_json(raw)

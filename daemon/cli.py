@@ -57,6 +57,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "nnodes": ("engine", "nnodes"),
     "master_addr": ("engine", "master_addr"),
     "master_port": ("engine", "master_port"),
+    "tp_secret_file": ("engine", "tp_secret_file"),
     "tp_timeout": ("engine", "tp_timeout_s"),
 }
 

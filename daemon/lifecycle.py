@@ -25,6 +25,7 @@ import time
 
 from aiohttp import web
 
+from mleagle.daemon import redact
 from mleagle.daemon.errors import APIError
 from mleagle.daemon.server import SRV, create_app
 from mleagle.engine.contract.config import MleagleConfig
@@ -36,6 +37,8 @@ FAIL_GRACE_S = 2.0  # after the drain deadline: time for failed streams to send 
 
 async def serve_async(cfg: MleagleConfig, access_log: bool = False) -> int:
     t0 = time.perf_counter()
+    # Before anything can log a request: no credential a client sends reaches the log.
+    redact.install([cfg.server.key()])
     stop = asyncio.Event()
     code = [0]
     hurry = [False]

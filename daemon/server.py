@@ -3,7 +3,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI; JSON or SSE streaming),
 `GET /v1/models`, `GET /health` (no API key), `GET /metrics` (Prometheus), `POST /generate` (native),
 `GET /v1/events` (state events over WebSocket), `GET /debug/engine` (fresh pool usage and counters).
-One middleware checks the API key (as bytes: a header that is not UTF-8 is just a wrong key), turns
+One middleware checks the API key (as bytes: a header that is not UTF-8 is just a wrong key; a request
+carrying `Authorization` twice is refused with 400, since a proxy may have checked the other), turns
 every failure into an OpenAI error body, counts HTTP statuses, and writes every plain response under
 `write_timeout_s`. Bodies are read by `body.read_json` (size, time, strict JSON). Admission control
 happens before the engine sees a request: the server answers 503 while the engine is down or the
@@ -690,6 +691,17 @@ def _authorized(request: web.Request, key: bytes) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(raw, key)
 
 
+def _single_authorization(request: web.Request) -> None:
+    """Refuse a request that carries `Authorization` more than once: this server would read one and a
+    proxy in front of it may have checked another, so neither answer could be trusted. 400 (a
+    malformed request, like a header line the parser refuses), not 401: the client sent a request no
+    key could make right."""
+    n = len(request.headers.getall("Authorization", []))
+    if n > 1:
+        raise APIError(400, f"the Authorization header appears {n} times; send it once",
+                       code="duplicate_authorization", headers={"Connection": "close"})
+
+
 async def _finish(request: web.Request, resp: web.StreamResponse, timeout: float) -> None:
     """Write a plain response under the write timeout; a client that does not read it is dropped."""
     try:
@@ -708,6 +720,8 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     srv = request.app[SRV]
     key = srv.api_key
     try:
+        if key is not None and request.path not in PUBLIC:
+            _single_authorization(request)
         if key is not None and request.path not in PUBLIC and not _authorized(request, key):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -725,8 +739,10 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         log.exception("unhandled error [%s] on %s %s", rid, request.method, request.path)
         resp = APIError(500, f"internal server error (ref {rid})").response()
     srv.metrics.http.labels(_route_name(request), str(resp.status)).inc()
-    if resp.status == 408:
-        resp.force_close()  # the rest of the body may still come: do not read it as a next request
+    if resp.status == 408 or resp.headers.get("Connection") == "close":
+        # The rest of the body may still come (408), or the stream is broken (a body that cannot be
+        # decoded): do not read what follows as a next request.
+        resp.force_close()
     if isinstance(resp, web.Response) and not resp.prepared:
         await _finish(request, resp, srv.cfg.server.write_timeout_s)
     return resp

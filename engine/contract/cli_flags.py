@@ -44,11 +44,15 @@ def add_tp_args(ap: argparse.ArgumentParser) -> None:
                    help="nodes (this one runs rank 0; the others run `mleagle engine-ranks --node-rank K`)")
     g.add_argument("--master-addr", default=None, help="rendezvous address (default $MASTER_ADDR, else 127.0.0.1)")
     g.add_argument("--master-port", type=int, default=None, help="rendezvous port (default $MASTER_PORT, else free)")
+    g.add_argument("--tp-secret-file", default=None,
+                   help="multi-node: a file only you can read (mode 0600) holding the secret that signs the rendezvous "
+                        "store's values; the same file on every node (one node needs none)")
     g.add_argument("--tp-timeout", type=float, default=None, help="seconds before a silent rank takes the engine down")
 
 
 def tp_overrides(a: argparse.Namespace) -> dict[str, Any]:
     """The tensor-parallel flags given on the command line, as `EngineConfig` overrides."""
     keys = {"tp_size": a.tp, "tp_layout": a.tp_layout, "draft_tp": a.draft_tp, "nnodes": a.nnodes,
-            "master_addr": a.master_addr, "master_port": a.master_port, "tp_timeout_s": a.tp_timeout}
+            "master_addr": a.master_addr, "master_port": a.master_port, "tp_timeout_s": a.tp_timeout,
+            "tp_secret_file": a.tp_secret_file}
     return {k: v for k, v in keys.items() if v is not None}

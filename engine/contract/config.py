@@ -145,12 +145,15 @@ class EngineConfig(BaseModel):
     tp_size: int = Field(1, ge=1, le=64)
     tp_layout: Literal["all_reduce", "scattered"] = "all_reduce"
     draft_tp: Literal["shard", "replicate"] = "shard"
-    # Rendezvous (torch.distributed env:// style): nodes of tp_size/nnodes ranks each; rank 0's node is
-    # this one, the others run `mleagle engine-ranks --node-rank K`. Unset address/port: $MASTER_ADDR /
-    # $MASTER_PORT, else (one node) loopback and a free port.
+    # Rendezvous: nodes of tp_size/nnodes ranks each; rank 0's node is this one, the others run
+    # `mleagle engine-ranks --node-rank K`. One node: a store in a private (0700) folder, nothing
+    # listens. Several: a TCP store bound to MASTER_ADDR:MASTER_PORT (unset: $MASTER_ADDR /
+    # $MASTER_PORT), every value in it signed with the secret in `tp_secret_file` (the same file, mode
+    # 0600, on every node; one node makes a fresh secret per engine). A path, never the secret itself.
     nnodes: int = Field(1, ge=1)
     master_addr: str | None = None
     master_port: int | None = Field(None, ge=0, le=65535)
+    tp_secret_file: str | None = None
     # A rank that stops answering (no heartbeat) for this long takes the engine down.
     tp_timeout_s: float = Field(60.0, gt=0)
 

