@@ -66,7 +66,24 @@ log = logging.getLogger("mleagle.engine")
 
 
 class EngineInputError(ValueError):
-    """A request the engine refuses; the message is meant for the user."""
+    """A request the engine refuses; the message is meant for the user. `param` names the request
+    field at fault where one is (a dotted path into `SamplingParams`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_constraint(runtime: Any, params: SamplingParams) -> None:
+    """A constrained request's grammar compiled (and cached) by `runtime`, or its error as input."""
+    from mleagle.engine.constrain.compiler import ConstraintError
+
+    try:
+        runtime.check(params)
+    except ConstraintError as err:
+        f = err.field
+        param = f if f in ("logit_bias", "min_tokens", "structured_outputs") else f"structured_outputs.{f}"
+        raise EngineInputError(f"{param}: {err}", param=param) from None
 
 
 @dataclass
@@ -217,6 +234,7 @@ class Engine:
         self.mem = MemoryManager(self.allocator, [self.target.binding.req_to_token], prefix_cache=e.enable_prefix_cache)
         self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
         self.worker = self._build_worker()
+        self.worker.constrain.bind(self.tokenizer, sorted(self.eos_ids))  # structured output (engine/constrain)
         self.graph_report = self._capture_graphs()
         self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
@@ -361,11 +379,14 @@ class Engine:
             raise EngineInputError(f"the request needs up to {need} KV slots; the pool holds {self.allocator.capacity_tokens}")
         if params.stop and self.tokenizer is None:
             raise EngineInputError("stop strings need a tokenizer; this model has none")
+        if params.constrained:  # structured output: compile (or find cached) now, so bad input is a 400
+            check_constraint(self.worker.constrain, params)
         seed = params.seed if params.seed is not None else mix(self.cfg.engine.seed, next(self._seeds))
         self._add(rid, ids, params, seed)
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> None:
         req = Req(rid, ids, params, seed)
+        req.constraint = self.worker.constrain.new_state(params)  # None for an unconstrained request
         if params.stop and self.tokenizer is not None:
             req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)
         self.scheduler.add(req)
