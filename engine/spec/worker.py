@@ -170,6 +170,7 @@ class SpecWorker(TargetWorker):
         offs, lens_d = offs.to(dev), lens_t.to(dev)
         rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev)
         flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
+        flags = self.constrain.begin(reqs, flags)  # constrain: the first drafts follow the grammar
         tail = torch.zeros(n, self.steps + 1, dtype=torch.int64, device=dev)
         h = target_hidden
         self.step_batches = []
@@ -180,7 +181,10 @@ class SpecWorker(TargetWorker):
             b = dataclasses.replace(view, input_ids=ids, hidden_in=h, binding=runner.binding)
             self.step_batches.append(b)
             o = runner.forward(b)  # EXTEND: one logit row per request, at its last position
-            tail[:, k + 1] = self._draft_tokens(rpi, o.logits, k, flags)
+            logits = self.constrain.draft_logits(o.logits, k, runner.model.head.vocab_ids) if flags.constrained else o.logits
+            tail[:, k + 1] = self._draft_tokens(rpi, logits, k, flags)
+            if flags.constrained:  # constrain: the matchers take the draft tentatively
+                self.constrain.draft_accept(tail[:, k + 1], k)
             h = o.hidden if self.chain else target_hidden
 
     def _draft_tokens(self, rpi: torch.Tensor, logits: torch.Tensor, k: int, flags: RowFlags,
@@ -212,6 +216,7 @@ class SpecWorker(TargetWorker):
         timer.mark()
         rpi = self.rpi_of(reqs)
         flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        flags = self.constrain.begin(reqs, flags)  # constrain: constrained batches are never `plain`
         g = self.iter_graph
         hidden = None
         if (g is not None and flags.plain and flags.logprobs < 0 and self.boundary_kv == "stale"
@@ -270,6 +275,8 @@ class SpecWorker(TargetWorker):
         else:
             rows = st.rows(rpi, w, flags)
             x = penalize(logits, rows, *st.context(rpi, flags, drafts))
+        if flags.constrained:  # constrain: each verify row masked by the grammar after its own prefix
+            x = self.constrain.mask(x)
         pred = x.argmax(-1).view(bs, w)
         ar = st._ar[:w].view(1, w)
         if flags.all_greedy:
@@ -290,6 +297,8 @@ class SpecWorker(TargetWorker):
         lp = logprobs(logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         st.commit(rpi, emitted, n_emit, flags, live=live)
         st.iters[rpi] += 1 if live is None else live.to(torch.int64)
+        if flags.constrained:  # constrain: the matchers keep the accepted tokens (read to the host)
+            self.constrain.commit(emitted, n_emit)
         return emitted, n, pack(emitted, n_emit, lp, w)
 
     def _reject(self, x: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, pred: torch.Tensor, rpi: torch.Tensor,
@@ -341,12 +350,17 @@ class SpecWorker(TargetWorker):
             o = runner.forward_eager(b, observe=False) if eager else runner.forward(b)
             self.forwards.append(FwdInfo.of(runner.name, b, o.graph_bs, o.eager_reason))
             metas.append(runner.row_meta(b))
+            logits = o.logits
+            if flags.constrained:  # constrain: draft k proposes only what the grammar allows
+                logits = self.constrain.draft_logits(logits, k, runner.model.head.vocab_ids)
             if flags.all_greedy:  # argmax, vocabulary map, state write and window rotate (fused on CUDA)
-                _, ids = greedy.draft_step(o.logits, runner.model.head.vocab_ids, self.state, rpi, k, live, ids, n)
+                d, ids = greedy.draft_step(logits, runner.model.head.vocab_ids, self.state, rpi, k, live, ids, n)
             else:
-                d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
+                d = self._draft_tokens(rpi, logits, k, flags, rows, live)
                 # Rotate: every window shifts left by one, and the new draft goes at the last accepted row.
                 ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).scatter(1, n.view(-1, 1), d.view(-1, 1))
+            if flags.constrained:  # constrain: the matchers take the draft tentatively
+                self.constrain.draft_accept(d, k)
             if timer is not None:
                 timer.mark()
             h = o.hidden if self.chain else target_hidden
