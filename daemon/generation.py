@@ -226,7 +226,10 @@ class Generation:
             if isinstance(item, EngineRequestFailed):
                 c.finish_reason = "error"
                 if item.kind == "input":  # the engine refused it; its message says why
-                    raise APIError(400, str(item), code="engine_refused", param=c.api_param(item.param))
+                    msg, param = str(item), c.api_param(item.param)
+                    if item.param and param and msg.startswith(item.param + ": "):
+                        msg = f"{param}: {msg[len(item.param) + 2:]}"  # the field as this route calls it
+                    raise APIError(400, msg, code="engine_refused", param=param)
                 raise APIError(500, str(item), type="server_error")
             if isinstance(item, EngineDead):
                 c.finish_reason = "error"

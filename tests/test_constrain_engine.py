@@ -217,3 +217,29 @@ def test_verify_rows_without_their_own_masks_are_caught(monkeypatch: pytest.Monk
     monkeypatch.setattr(ConstrainRuntime, "mask", first_row_only)
     counts, bad, _ = _sample("random:2:4", SAMPLED[0], n=1000)
     assert bad > 0 or _chi2_pvalue(counts, _expected(SAMPLED[0])) < 1e-6
+
+
+@pytest.mark.parametrize("draft", ["none", "random:2:1"])
+def test_overlap_is_off_while_a_constrained_request_runs(draft: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlap forced on (as on the GPU): constrained requests still get the synchronous schedule's
+    tokens, because no step is launched before the one in flight has advanced the matchers; free
+    requests alone still overlap."""
+    sync = _run(draft)[0]
+    e = constrained(tiny_engine(draft))
+    e.scheduler.overlap = True
+    launched_inflight: list[bool] = []
+    orig = type(e.worker).launch
+
+    def spy(self, reqs):  # type: ignore[no-untyped-def]
+        # Launched over a step in flight: fine for free requests alone, never with a constrained one.
+        over = e.scheduler.inflight is not None
+        launched_inflight.append(over)
+        assert not (over and any(r.constraint is not None for r in reqs))
+        return orig(self, reqs)
+
+    monkeypatch.setattr(type(e.worker), "launch", spy)
+    out = e.generate([p for p, _ in CASES], _params())
+    assert [c.token_ids for c in out] == sync
+    launched_inflight.clear()
+    e.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_new_tokens=12))
+    assert any(launched_inflight)  # free batches keep overlapping
