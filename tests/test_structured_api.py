@@ -303,5 +303,8 @@ def test_generate_sampling_params(srv):
     assert st == 200 and out["text"] in ("alpha", "beta") and out["meta_info"]["finish_reason"] == "stop"
     st, out = post({"max_new_tokens": 8, "structured_outputs": {"regex": "(x"}})
     assert st == 400 and out["error"]["param"] == "sampling_params.structured_outputs.regex"
+    st, out = post({"max_new_tokens": 8, "min_new_tokens": 2, "structured_outputs": {"regex": "a+"}})
+    assert st == 400 and out["error"]["param"] == "sampling_params.min_new_tokens"
+    assert out["error"]["message"].startswith("sampling_params.min_new_tokens: ")
     st, out = post({"max_new_tokens": 8, "logit_bias": {"5": 101}})
     assert st == 422 and out["error"]["param"].startswith("sampling_params.logit_bias")

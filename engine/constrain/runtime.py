@@ -96,7 +96,7 @@ class ConstrainRuntime:
         if params.structured_outputs is not None:
             if params.min_new_tokens > 0:
                 # The grammar may need its stop token before min_tokens, which would then be banned.
-                raise ConstraintError("min_tokens cannot be combined with structured output", "min_tokens")
+                raise ConstraintError("cannot be combined with structured output", "min_new_tokens")
             self.grammars.get(params.structured_outputs)
 
     def new_state(self, params: Any) -> RequestConstraint | None:

@@ -82,7 +82,7 @@ def check_constraint(runtime: Any, params: SamplingParams) -> None:
         runtime.check(params)
     except ConstraintError as err:
         f = err.field
-        param = f if f in ("logit_bias", "min_tokens", "structured_outputs") else f"structured_outputs.{f}"
+        param = f if f in ("logit_bias", "min_new_tokens", "structured_outputs") else f"structured_outputs.{f}"
         raise EngineInputError(f"{param}: {err}", param=param) from None
 
 
