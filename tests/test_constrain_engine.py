@@ -244,3 +244,17 @@ def test_overlap_is_off_while_a_constrained_request_runs(draft: str, monkeypatch
     launched_inflight.clear()
     e.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_new_tokens=12))
     assert any(launched_inflight)  # free batches keep overlapping
+
+
+@pytest.mark.parametrize("draft", ["none", "random:2:1"])
+def test_preempted_constrained_requests_resume_exactly(draft: str) -> None:
+    """A pool too small for the load preempts requests mid-structure; each resumes with its matcher
+    where it was (the matcher holds exactly the committed output), so outputs equal a roomy pool's."""
+    prompts = [list(range(3 + i, 20 + i)) for i in range(12)]
+    params = [p for _ in range(2) for p in _params(28)][:12]
+    roomy = constrained(tiny_engine(draft))
+    tight = constrained(tiny_engine(draft, max_total_tokens=256, max_running_requests=8))
+    ref = [c.token_ids for c in roomy.generate(prompts, params)]
+    got = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in got] == ref
