@@ -130,6 +130,21 @@ def test_json_object_and_structured_outputs_json(oai):
     jsonschema.validate(json.loads(r.choices[0].text), schema)
 
 
+def test_openai_parse_with_a_pydantic_model(oai):
+    """The client's own structured-output path: a pydantic model sent as a strict json_schema, parsed back."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population: int = Field(ge=0, le=50_000_000)
+
+    r = oai.chat.completions.parse(model="smollm2-135m", messages=msgs("Describe Paris."), max_tokens=80,
+                                   temperature=0, response_format=City)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and r.choices[0].finish_reason == "stop"
+
+
 def test_regex_and_choice(oai):
     rx = r"\(\d{3}\) \d{3}-\d{4}"
     for body in ({"guided_regex": rx}, {"structured_outputs": {"regex": rx}}):
