@@ -56,8 +56,12 @@ PATTERNS = ["[a-e]{3,12}", "(ab|cd|ee)+f", "abc|aab|bbbb|jj", None, '(a|bb)+,[0-
 
 def _params(n: int = 24) -> list[SamplingParams]:
     ps = []
+    # A logit bias, logprobs and a repetition penalty beside the grammars: each takes its own path in
+    # the sampler and the accept step, and the masks must compose with all of them.
+    extras: dict[int, dict] = {2: {"logit_bias": {"3": 5.0, "40": -3.0}}, 1: {"logprobs": 2},
+                               4: {"repetition_penalty": 1.3}}
     for i, (_, so) in enumerate(CASES):
-        extra = {"logit_bias": {"3": 5.0, "40": -3.0}} if i == 2 else {}
+        extra = extras.get(i, {})
         ps.append(SamplingParams(temperature=0, max_new_tokens=n, structured_outputs=StructuredOutputs(**so) if so else None,
                                  **extra))
     return ps

@@ -199,11 +199,20 @@ def test_greedy_constrained_equal_with_shipped_draft(srv):
     d = _serve(DRAFT)
     try:
         got = _run_greedy(d.url)
+        r = openai.OpenAI(base_url=d.url + "/v1", api_key=KEY, max_retries=0, timeout=300).chat.completions.create(
+            model="smollm2-135m", messages=msgs(SCHEMAS[8][0]), max_tokens=160, temperature=0.8, seed=7, n=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMAS[8][1]}})
+        sampled = [(c.message.content, c.finish_reason) for c in r.choices]
         st, m = d.get("/metrics")
         assert st == 200
     finally:
         assert d.terminate() == 0, d.log()
     assert got == ref
+    # Sampled constrained outputs with the draft (rejection sampling over masked distributions, a
+    # reduced draft vocabulary) validate too.
+    for text, finish in sampled:
+        assert finish == "stop", (text, finish)
+        jsonschema.validate(json.loads(text), SCHEMAS[8][1])
     accepted = re.search(r"^mleagle:spec_decode_num_accepted_tokens_total\S* (\S+)$", m, re.M)
     assert accepted is not None and float(accepted.group(1)) > 0  # the draft did propose accepted tokens
     jsonschema.validate(json.loads(ref[0][0]), SCHEMAS[4][1])
