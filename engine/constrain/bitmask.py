@@ -3,8 +3,8 @@ turned into a boolean mask and applied to logits.
 
 One small function, device-agnostic torch (the CPU path and CUDA alike), so it can sit inside a step
 without a kernel of its own. The host fills an int32 buffer; `DeviceMask` keeps one static device
-buffer per runtime (grown when a larger batch comes, never per step) and one shift table, so a step
-allocates nothing but the boolean mask it applies.
+buffer per runtime for it (grown when a larger batch comes, never per step) and one shift table, so a
+step allocates only the unpacked mask and the masked logits.
 """
 
 from __future__ import annotations
