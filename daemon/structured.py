@@ -51,7 +51,8 @@ def _so(field_: str, **kw: Any) -> StructuredOutputs:
         raise err from None
 
 
-def _tool_schema(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[dict[str, Any], ToolPlan, str]:
+def _tool_schema(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool | None = None,
+                 ) -> tuple[dict[str, Any], ToolPlan, str]:
     funcs: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
@@ -67,6 +68,8 @@ def _tool_schema(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[dict[st
         items = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
                   "required": ["name", "parameters"]} for f in funcs]
         schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
+        if parallel is False:  # `parallel_tool_calls: false`: exactly one call
+            schema["maxItems"] = 1
         return schema, ToolPlan([f["name"] for f in funcs], True), "tools"
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
@@ -111,7 +114,8 @@ def select(req: Any) -> Constraint:
     tools = getattr(req, "tools", None)
     choice = getattr(req, "tool_choice", None)
     if tools and choice != "none":
-        schema, plan, fld = _tool_schema(tools, choice if choice is not None else "auto")
+        schema, plan, fld = _tool_schema(tools, choice if choice is not None else "auto",
+                                         getattr(req, "parallel_tool_calls", None))
         found.append((fld, _so(fld, json=schema)))
         out.tools = plan
         out.tool_defs = [t["function"] for t in tools]

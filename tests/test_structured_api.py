@@ -264,6 +264,10 @@ def test_forced_tool_calls(oai):
     for call in c.message.tool_calls:
         spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+    r = oai.chat.completions.create(model="smollm2-135m", messages=msgs("Weather in Rome and the time in Tokyo?"),
+                                    max_tokens=80, temperature=0.9, seed=1, tools=[WEATHER, TIME],
+                                    tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
     # Streamed: the call arrives as one tool_calls delta, then the finish reason.
     chunks = list(oai.chat.completions.create(model="smollm2-135m", messages=q, max_tokens=60, temperature=0,
                                               tools=[WEATHER], stream=True,
