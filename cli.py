@@ -16,6 +16,7 @@ commands:
   bench serve   online load generator against a running server (mleagle bench serve --help)
   bench gpu     GPU benchmark through Engine.generate: graphs, eager, speculation, HF (mleagle bench gpu --help)
   bench prefix  prefix cache on against off: TTFT, prompt tokens computed, acceptance (mleagle bench prefix --help)
+  bench structured  JSON-schema constraint against free decoding, with and without the draft (CPU)
   serve         start the OpenAI-compatible daemon (mleagle serve --help)
   engine-ranks  run this node's tensor-parallel ranks of a multi-node engine (mleagle engine-ranks --help)
   train-draft   make a draft from the target's own outputs: generate, train, eval, all (mleagle train-draft --help)
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["prefix"]:
         from mleagle.engine.entrypoints.bench_prefix import main as run
+
+        rest = rest[1:]
+    elif cmd == "bench" and rest[:1] == ["structured"]:
+        from mleagle.engine.entrypoints.bench_structured import main as run
 
         rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["serve"]:

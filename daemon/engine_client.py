@@ -93,9 +93,10 @@ class EngineDead(Exception):
 
 
 class EngineRequestFailed(Exception):
-    def __init__(self, message: str, kind: str) -> None:
+    def __init__(self, message: str, kind: str, param: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind  # "input" (HTTP 400) or "internal" (500)
+        self.param = param  # the engine's SamplingParams field at fault, when it names one
 
 
 def load_tokenizer(path: str) -> Any:
@@ -272,7 +273,7 @@ class EngineClient:
             elif isinstance(msg, RequestError):
                 r = self.reqs.pop(msg.rid, None)
                 if r is not None and not r.aborted:
-                    r.sink.put_nowait((r.tag, EngineRequestFailed(msg.message, msg.kind)))
+                    r.sink.put_nowait((r.tag, EngineRequestFailed(msg.message, msg.kind, msg.param)))
             elif isinstance(msg, Pong):
                 self.last_pong, self.last_pong_t = msg, time.monotonic()
                 fut = self._pongs.pop(msg.seq, None)

@@ -50,6 +50,19 @@ class Choice:
     counts_prompt: bool = True  # this choice's prompt counts in the usage block (once per prompt with n > 1)
     t_last: float | None = None
     submitted: bool = False
+    # Where the engine's field names live in this route's body: the API field a constraint came from
+    # (a schema the engine cannot compile is refused naming it) and the prefix of other fields.
+    constraint_field: str | None = None
+    param_prefix: str = ""
+    param_names: dict[str, str] = field(default_factory=dict)
+
+    def api_param(self, engine_param: str | None) -> str | None:
+        """The request field behind an engine refusal's `param` (a SamplingParams path)."""
+        if engine_param is None:
+            return None
+        if engine_param.startswith("structured_outputs") and self.constraint_field is not None:
+            return self.constraint_field
+        return self.param_prefix + self.param_names.get(engine_param, engine_param)
 
     @property
     def finished(self) -> bool:
@@ -213,7 +226,10 @@ class Generation:
             if isinstance(item, EngineRequestFailed):
                 c.finish_reason = "error"
                 if item.kind == "input":  # the engine refused it; its message says why
-                    raise APIError(400, str(item), code="engine_refused")
+                    msg, param = str(item), c.api_param(item.param)
+                    if item.param and param and msg.startswith(item.param + ": "):
+                        msg = f"{param}: {msg[len(item.param) + 2:]}"  # the field as this route calls it
+                    raise APIError(400, msg, code="engine_refused", param=param)
                 raise APIError(500, str(item), type="server_error")
             if isinstance(item, EngineDead):
                 c.finish_reason = "error"

@@ -3,10 +3,12 @@
 Pydantic validates every body (types and ranges, as the OpenAI reference states them) and
 `to_sampling_params` maps a request onto the engine's `SamplingParams`. Unknown fields are ignored,
 as OpenAI clients send fields this server has no use for (`user`, `metadata`, ...); fields whose
-meaning it cannot honour (`logit_bias`, `echo`, `best_of`, `suffix`, tools, non-text response formats,
-non-text message parts) are refused with a 400 rather than silently dropped. vLLM-style extras are
-accepted: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, and `spec_stats` (per-request speculative statistics in the response).
+meaning it cannot honour (`echo`, `best_of`, `suffix`, `tool_choice: "auto"`, non-text message parts)
+are refused with a 400 rather than silently dropped. vLLM-style extras are accepted: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, and
+`spec_stats` (per-request speculative statistics in the response). Structured output
+(`response_format`, `structured_outputs`, `guided_*`, forced tool calls) is chosen in
+`daemon/structured.py`; `logit_bias` is OpenAI's (token-id string keys, -100..100, at most 300).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from mleagle.daemon.errors import APIError
+from mleagle.daemon.structured import Constraint, select
 from mleagle.engine.contract.sampling_params import (
     INT32_MAX,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -35,6 +39,23 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema is enforced whatever `strict` says (the grammar is
+    always strict: no properties beyond the schema's)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr = Field("response", max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -58,13 +79,35 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[TokenId, Field(strict=True)]] | None = None
     skip_special_tokens: StrictBool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None
     spec_stats: StrictBool = False
+    # Structured output (daemon/structured.py picks the one a request asks for).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for k, x in v.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10 and int(k) <= INT32_MAX):
+                raise ValueError(f"keys must be token ids (decimal strings), not {k[:20]!r}")
+            if not -100 <= x <= 100:
+                raise ValueError(f"values must be in [-100, 100] (token {k}: {x})")
+        return v
+
+    def constraint(self) -> Constraint:
+        return select(self)
 
     def _refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
@@ -122,28 +165,19 @@ class ChatMessage(BaseModel):
         return "".join(out)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: StrictStr
-
-
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
 
     def check(self) -> None:
         self._refuse_unsupported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -169,7 +203,8 @@ class GenerateRequest(BaseModel):
             raise APIError(400, "the prompt must not be empty", param="text")
 
 
-def to_sampling_params(req: CompletionRequest | ChatRequest, max_new: int, index: int) -> SamplingParams:
+def to_sampling_params(req: CompletionRequest | ChatRequest, max_new: int, index: int,
+                       constraint: Constraint | None = None) -> SamplingParams:
     """The engine's parameters for choice `index` of `req`; seeds differ per choice so n>1 differs."""
     if isinstance(req, ChatRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -191,4 +226,8 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_new: int, index
             kw[f] = v
     if req.seed is not None:
         kw["seed"] = req.seed + index
+    if req.logit_bias:
+        kw["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
+    if constraint is not None and constraint.so is not None:
+        kw["structured_outputs"] = constraint.so
     return SamplingParams(**kw)

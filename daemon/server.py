@@ -45,6 +45,7 @@ from mleagle.daemon.events_relay import EventsRelay
 from mleagle.daemon.generation import Choice, Delta, Generation
 from mleagle.daemon.metrics import Metrics
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
+from mleagle.daemon.structured import Constraint, tool_calls, tool_prompt
 from mleagle.engine.contract.config import MleagleConfig
 from mleagle.engine.contract.outputs import TokenLogprob
 from mleagle.engine.contract.protocol import peak_rss_mb
@@ -240,13 +241,21 @@ async def admit(request: web.Request, model: type[BaseModel]) -> tuple[Server, A
     return srv, req
 
 
-def sampling(srv: Server, req: CompletionRequest | ChatRequest, budget: int, index: int) -> SamplingParams:
+def sampling(srv: Server, req: CompletionRequest | ChatRequest, budget: int, index: int,
+             con: Constraint | None = None) -> SamplingParams:
     try:
-        params = to_sampling_params(req, budget, index)
+        params = to_sampling_params(req, budget, index, con)
     except ValidationError as e:  # constraints only SamplingParams knows (e.g. empty or too many stops)
         raise from_validation(e) from None
     srv.check_stops(params, "stop")
     return params
+
+
+def add_choice(gen: Generation, ids: list[int], params: SamplingParams, con: Constraint, first: bool) -> Choice:
+    c = gen.add(ids, params, count_prompt=first)
+    c.constraint_field = con.field
+    c.param_names = {"min_new_tokens": "min_tokens"}
+    return c
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
@@ -407,6 +416,9 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
 
 async def completions(request: web.Request) -> web.StreamResponse:
     srv, req = await admit(request, CompletionRequest)
+    con = req.constraint()
+    if con.tools is not None:
+        raise APIError(400, "tools are for chat completions", param="tools", code="unsupported")
     p = req.prompt
     if isinstance(p, str):
         prompts = [await srv.aencode(p, True)]
@@ -421,18 +433,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for ids in prompts:
         budget = srv.budget(len(ids), req.max_tokens)
         for j in range(req.n):
-            gen.add(ids, sampling(srv, req, budget, j), count_prompt=j == 0)
+            add_choice(gen, ids, sampling(srv, req, budget, j, con), con, j == 0)
     return await run_generation(request, srv, gen, req, _completion_format(srv, gen, req))
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     srv, req = await admit(request, ChatRequest)
     tok = srv.need_tokenizer("chat", "messages")
+    con = req.constraint()
     msgs = req.messages_dicts()
+    extra: dict[str, Any] = {}
+    if con.tools is not None:
+        # A template that renders `tools` gets them; otherwise they are described in a system message.
+        if "tools" in (tok.chat_template or ""):
+            extra["tools"] = req.tools
+        elif msgs and msgs[0]["role"] == "system":
+            msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + tool_prompt(con.tool_defs)}
+        else:
+            msgs.insert(0, {"role": "system", "content": tool_prompt(con.tool_defs)})
 
     def encode() -> list[int]:
         try:
-            return tok.encode_chat(msgs, add_generation_prompt=req.add_generation_prompt)
+            return tok.encode_chat(msgs, add_generation_prompt=req.add_generation_prompt, **extra)
         except APIError:
             raise
         except Exception as e:
@@ -444,8 +466,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     gen = srv.generation()
     gen.id = "chatcmpl-" + gen.id
     for j in range(req.n):
-        gen.add(ids, sampling(srv, req, budget, j), count_prompt=j == 0)
-    return await run_generation(request, srv, gen, req, _chat_format(srv, gen, req))
+        add_choice(gen, ids, sampling(srv, req, budget, j, con), con, j == 0)
+    return await run_generation(request, srv, gen, req, _chat_format(srv, gen, req, con))
 
 
 async def run_generation(request: web.Request, srv: Server, gen: Generation, req: Any, fmt: Any) -> web.StreamResponse:
@@ -521,25 +543,36 @@ class _completion_format(_Format):
 
 
 class _chat_format(_Format):
-    def __init__(self, srv: Server, gen: Generation, req: ChatRequest) -> None:
+    def __init__(self, srv: Server, gen: Generation, req: ChatRequest, con: Constraint | None = None) -> None:
         super().__init__(srv, gen, req, "chat.completion.chunk")
         self.started: set[int] = set()
+        self.tools = con.tools if con is not None else None
 
     def _lp(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         return chat_logprobs(self.srv, lps) if self.req.logprobs else None
+
+    def _finish_reason(self, c: Choice) -> str | None:
+        # A forced tool call that completed is a call (OpenAI's "tool_calls"); a cut one stays "length".
+        return "tool_calls" if self.tools is not None and c.finish_reason == "stop" else c.finish_reason
 
     def chunks(self, d: Delta) -> list[dict[str, Any]]:
         c, out = d.choice, []
         if c.index not in self.started:
             self.started.add(c.index)
-            out.append(self.chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+            out.append(self.chunk({"index": c.index, "delta": {"role": "assistant", "content": "" if self.tools is None else None},
                                    "logprobs": None, "finish_reason": None}))
-        if d.text or (d.logprobs and self.req.logprobs):
+        if self.tools is not None:
+            # A tool call streams as one delta once its arguments are complete (they are parsed first).
+            if d.finished:
+                calls = [{"index": k, **tc} for k, tc in enumerate(tool_calls(self.tools, c.text))]
+                out.append(self.chunk({"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                       "finish_reason": None}))
+        elif d.text or (d.logprobs and self.req.logprobs):
             out.append(self.chunk({"index": c.index, "delta": {"content": d.text}, "logprobs": self._lp(d.logprobs),
                                    "finish_reason": None}))
         if d.finished:
-            fin: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
-                                   "stop_reason": c.matched_stop}
+            fin: dict[str, Any] = {"index": c.index, "delta": {}, "logprobs": None,
+                                   "finish_reason": self._finish_reason(c), "stop_reason": c.matched_stop}
             if self.req.spec_stats:
                 fin["spec_stats"] = spec_stats(c)
             out.append(self.chunk(fin))
@@ -548,8 +581,11 @@ class _chat_format(_Format):
     def full(self) -> dict[str, Any]:
         choices = []
         for c in self.gen.choices:
-            ch: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                  "logprobs": self._lp(c.logprobs), "finish_reason": c.finish_reason,
+            msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if self.tools is not None:
+                msg = {"role": "assistant", "content": None, "tool_calls": tool_calls(self.tools, c.text)}
+            ch: dict[str, Any] = {"index": c.index, "message": msg,
+                                  "logprobs": self._lp(c.logprobs), "finish_reason": self._finish_reason(c),
                                   "stop_reason": c.matched_stop}
             if self.req.spec_stats:
                 ch["spec_stats"] = spec_stats(c)
@@ -575,6 +611,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if req.rid:
         gen.id = req.rid  # names the response only; the engine gets an id of the daemon's own
     c0 = gen.add(ids, params)
+    c0.param_prefix = "sampling_params."
+    if params.structured_outputs is not None:
+        c0.constraint_field = f"sampling_params.structured_outputs.{params.structured_outputs.kind}"
 
     def meta(c: Choice) -> dict[str, Any]:
         m: dict[str, Any] = {"id": gen.id, "prompt_tokens": len(ids), "completion_tokens": c.num_output_tokens,

@@ -4,4 +4,9 @@ process) raises the same type without importing the engine that catches it."""
 
 
 class EngineInputError(ValueError):
-    """A request the engine refuses; the message is meant for the user."""
+    """A request the engine refuses; the message is meant for the user. `param` names the request
+    field at fault where one is (a dotted path into `SamplingParams`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

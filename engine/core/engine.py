@@ -84,6 +84,18 @@ class StepControl(Protocol):
 StepObserver = Callable[[list[RequestOutput], StepReport], None]
 
 
+def check_constraint(runtime: Any, params: SamplingParams) -> None:
+    """A constrained request's grammar compiled (and cached) by `runtime`, or its error as input."""
+    from mleagle.engine.constrain.compiler import ConstraintError
+
+    try:
+        runtime.check(params)
+    except ConstraintError as err:
+        f = err.field
+        param = f if f in ("logit_bias", "min_new_tokens", "structured_outputs") else f"structured_outputs.{f}"
+        raise EngineInputError(f"{param}: {err}", param=param) from None
+
+
 @dataclass
 class Completion:
     """A finished request, as the offline API returns it."""
@@ -214,6 +226,7 @@ class Engine:
         self.eos_ids = set(self.arch.eos_ids) | (set(self.tokenizer.eos_ids) if self.tokenizer else set())
         self.draft_stack: Any = None
         self.worker = self._build_worker(spec_worker, spec_worker_kw or {})
+        self.worker.constrain.bind(self.tokenizer, sorted(self.eos_ids))  # structured output (engine/constrain)
         self.graph_report = self.worker.capture_graphs(GraphSettings(
             cuda_graph=e.cuda_graph, emulate=e.graph_emulate, iteration=e.iteration_graph,
             max_bs=min(e.cuda_graph_max_bs or self.max_reqs, self.max_reqs), tp_size=self.tp.size,
@@ -275,6 +288,8 @@ class Engine:
             raise EngineInputError(f"the request needs up to {need} KV slots; the pool holds {self.allocator.capacity_tokens}")
         if params.stop and self.tokenizer is None:
             raise EngineInputError("stop strings need a tokenizer; this model has none")
+        if params.constrained:  # structured output: compile (or find cached) now, so bad input is a 400
+            check_constraint(self.worker.constrain, params)
         seed = params.seed if params.seed is not None else mix(self.cfg.engine.seed, next(self._seeds))
         self._add(rid, ids, params, seed)
         if self.control is not None:
@@ -282,6 +297,7 @@ class Engine:
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> None:
         req = Req(rid, ids, params, seed)
+        req.constraint = self.worker.constrain.new_state(params)  # None for an unconstrained request
         if params.stop and self.tokenizer is not None:
             req.stop_state = StopChecker(self.tokenizer, params.stop, ids, params.skip_special_tokens)
         self.scheduler.add(req)

@@ -55,6 +55,7 @@ class Req:
     spec: SpecStats | None = None
     stop_state: Any = None  # the stop-string matcher's per-request state
     draft_state: Any = None  # the speculative worker's per-request state (prefill hidden states)
+    constraint: Any = None  # structured output / logit bias state (mleagle.engine.constrain.runtime)
     state_slot: int | None = None  # the slot whose device state rows were filled for this request
     epoch: int = 0  # bumped when the request leaves the running set: results launched before are dropped
 

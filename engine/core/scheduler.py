@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mleagle.engine.constrain.runtime import settle
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.core.request import Req, ReqState
 from mleagle.engine.executor.results import FwdInfo, Pending, StepResult
@@ -109,7 +110,8 @@ class Scheduler:
         if self.inflight is not None:
             # Steady decoding: launch the next step first, then finish the one in flight.
             nxt = None
-            if self.overlap and not aborts and not self._want_prefill():
+            # A constrained request's next mask needs this step's tokens: no overlap while one runs.
+            if self.overlap and not aborts and not self._want_prefill() and not self._constrained():
                 reqs = self._decode_ready(self.worker.lookahead * 2)
                 if reqs:
                     nxt = self.worker.launch(reqs)
@@ -129,7 +131,7 @@ class Scheduler:
                 if reqs:
                     p = self.worker.launch(reqs)
                     rep.mode = "DECODE"
-                    if self.overlap:
+                    if self.overlap and not self._constrained():
                         self.inflight = p  # finished by the next step, after it launches its successor
                     else:
                         results = list(zip(p.reqs, self.worker.finish(p)))
@@ -167,6 +169,9 @@ class Scheduler:
             self._finish(req, "abort")
             outs.append(self._delta(req))
         return outs
+
+    def _constrained(self) -> bool:
+        return any(r.constraint is not None for r in self.running)
 
     def _want_prefill(self) -> bool:
         """Would the normal path schedule a prefill now (prefill goes first)?"""
@@ -273,6 +278,12 @@ class Scheduler:
 
     # --- after a forward -----------------------------------------------------------------------
     def _apply(self, req: Req, res: StepResult) -> None:
+        end = settle(req, res)  # drops tokens a grammar refused; says why a constrained request ends
+        self._apply_tokens(req, res)
+        if end is not None and not req.finished:
+            self._finish(req, end)
+
+    def _apply_tokens(self, req: Req, res: StepResult) -> None:
         if res.prompt_logprobs is not None:
             req.prompt_logprobs = (req.prompt_logprobs or []) + res.prompt_logprobs
         if not res.tokens:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mleagle.engine.constrain.runtime import ConstrainRuntime
 from mleagle.engine.contract.outputs import TokenLogprob
 from mleagle.engine.core.request import Req
 from mleagle.engine.executor.capture import default_buckets
@@ -79,6 +80,7 @@ class TargetWorker:
         self.vocab = vocab or int(m.arch.vocab_size)
         max_reqs = max_reqs or target.binding.req_to_token.max_reqs
         self.state = SlotState(max_reqs, self.vocab, steps, self.device, sorted(eos_ids))
+        self.constrain = ConstrainRuntime(self.vocab, self.device, steps)  # structured output (engine/constrain)
         self.last_batch: ForwardBatch | None = None
         self.inflight = 0  # iterations launched and not yet finished (0 or 1)
         self.forwards: list[FwdInfo] = []  # the last launch's forwards
@@ -244,7 +246,10 @@ class TargetWorker:
             rows_t = torch.tensor([last_rows[i] for i in first], dtype=torch.int64).to(self.device)
             x_raw = logits.index_select(0, rows_t)
             flags = self.state.flags([r.req_pool_idx for r in fr], fr)  # type: ignore[misc]
+            flags = self.constrain.begin(fr, flags)  # constrain: which rows have a grammar
             tok = self._sample(x_raw, rpi, flags)
+            if flags.constrained:  # constrain: the matchers take the first tokens
+                self.constrain.commit(tok.view(-1, 1), torch.ones_like(tok))
             lp = logprobs(x_raw, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
             self.state.commit(rpi, tok.view(-1, 1), torch.ones_like(tok), flags, kv=False)
             host = pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1).cpu()
@@ -255,6 +260,8 @@ class TargetWorker:
         return results
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
+        if flags.constrained:  # constrain: grammar masks and logit bias
+            x_raw = self.constrain.mask(x_raw)
         if flags.plain:
             return x_raw.argmax(-1)
         rows = self.state.rows(rpi, 1, flags)
@@ -300,6 +307,8 @@ class TargetWorker:
         g = self.iter_graph
         if g is None:
             return "no iteration graph"
+        if flags.constrained:
+            return "constrained"
         if not flags.plain:
             return "sampling"
         if flags.logprobs >= 0:
@@ -326,6 +335,7 @@ class TargetWorker:
         timer.mark()
         rpi = self.rpi_of(reqs)
         flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        flags = self.constrain.begin(reqs, flags)  # constrain: constrained batches are never `plain`
         why = self.iteration_miss(flags, bs)
         if why is None:
             assert self.iter_graph is not None
@@ -361,6 +371,8 @@ class TargetWorker:
         tok = self._sample(out.logits, rpi, flags)
         lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
+        if flags.constrained:  # constrain: the matchers take the step's tokens (reads them to the host)
+            self.constrain.commit(tok.view(-1, 1), one)
         st.commit(rpi, tok.view(-1, 1), one, flags, live=live)
         if timer is not None:
             timer.mark()

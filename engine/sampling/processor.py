@@ -32,11 +32,12 @@ class RowFlags:
     bans: bool = False  # some request still has min_new_tokens to reach
     logprobs: int = -1  # the largest top-N asked (-1: no row wants logprobs)
     coupled: bool = False  # some sampled row brought its own seed (speculation draws from its tape)
+    constrained: bool = False  # some row has a grammar or a logit bias (mleagle.engine.constrain)
 
     @property
     def plain(self) -> bool:
         """Every row is a greedy argmax of the raw logits: no per-row parameters are needed at all."""
-        return self.all_greedy and not self.penalties and not self.bans
+        return self.all_greedy and not self.penalties and not self.bans and not self.constrained
 
     @staticmethod
     def of(params: Sequence[SamplingParams], vocab: int, min_new_active: Sequence[bool] | None = None) -> RowFlags:

@@ -106,7 +106,7 @@ class EngineLoop:
                 self.engine.add_request(msg.rid, msg.prompt_ids, msg.params)
                 self.live.add(msg.rid)
             except self.input_error as e:
-                self.send(RequestError(rid=msg.rid, message=str(e), kind="input"))
+                self.send(RequestError(rid=msg.rid, message=str(e), kind="input", param=getattr(e, "param", None)))
             except Exception as e:
                 log.error("add_request %s failed:\n%s", msg.rid, traceback.format_exc())
                 self.send(RequestError(rid=msg.rid, message=f"internal error: {e}", kind="internal"))

@@ -530,6 +530,7 @@ class Runtime:
         try:
             self.send(Control(stop=True))
             try:
+                assert self.store is not None  # an owned runtime has its store
                 self.store.wait([f"done/{r}" for r in range(1, self.size)], datetime.timedelta(seconds=STOP_ACK_S))
             except Exception:
                 log.warning("not every rank acknowledged the stop in %.0fs", STOP_ACK_S)
@@ -549,6 +550,7 @@ class Runtime:
         if self.watchdog is not None:
             self.watchdog.stop()
         try:
+            assert self.store is not None
             self.store.set(f"done/{self.rank}", "1")
         except Exception:
             pass
@@ -600,7 +602,8 @@ def _join(rt: Runtime, backend: str) -> Runtime:
     if backend == "nccl":
         torch.cuda.set_device(rt.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", rt.store), rank=rt.rank, world_size=rt.size,
+        assert rt.store is not None  # joining (not adopting) always has a store
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", rt.store), rank=rt.rank, world_size=rt.size,  # type: ignore[arg-type]
                                 timeout=COLLECTIVE_TIMEOUT)
     rt.ctl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     set_current(rt.tp)

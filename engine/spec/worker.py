@@ -173,6 +173,7 @@ class SpecWorker(TargetWorker):
         offs, lens_d = offs.to(dev), lens_t.to(dev)
         rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev)
         flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
+        flags = self.constrain.begin(reqs, flags)  # constrain: the first drafts follow the grammar
         tail = torch.zeros(n, self.steps + 1, dtype=torch.int64, device=dev)
         h = target_hidden
         for k, runner in enumerate(self.drafts):
@@ -181,7 +182,10 @@ class SpecWorker(TargetWorker):
             ids = torch.where(over <= 0, seq[(offs[row_req] + j.clamp(max=lens_d[row_req]))], tail[row_req, over.clamp(min=0)])
             b = dataclasses.replace(view, input_ids=ids, hidden_in=h, binding=runner.binding)
             o = runner.forward(b)  # EXTEND: one logit row per request, at its last position
-            tail[:, k + 1] = self._draft_tokens(rpi, o.logits, k, flags)
+            logits = self.constrain.draft_logits(o.logits, k, self._layer(k).head.vocab_ids) if flags.constrained else o.logits
+            tail[:, k + 1] = self._draft_tokens(rpi, logits, k, flags)
+            if flags.constrained:  # constrain: the matchers take the draft tentatively
+                self.constrain.draft_accept(tail[:, k + 1], k)
             h = o.hidden if self.chain else target_hidden
 
     def _after_draft_prefill(self, reqs: list[Req], lens: list[int]) -> None:
@@ -254,6 +258,8 @@ class SpecWorker(TargetWorker):
         else:
             rows = st.rows(rpi, w, flags)
             x = penalize(logits, rows, *st.context(rpi, flags, drafts))
+        if flags.constrained:  # constrain: each verify row masked by the grammar after its own prefix
+            x = self.constrain.mask(x)
         pred = x.argmax(-1).view(bs, w)
         ar = st.arange(w).view(1, w)
         if flags.all_greedy:
@@ -273,6 +279,8 @@ class SpecWorker(TargetWorker):
         n_emit = n + 1
         lp = logprobs(logits, emitted.reshape(-1), max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         st.commit(rpi, emitted, n_emit, flags, live=live, iteration=True)
+        if flags.constrained:  # constrain: the matchers keep the accepted tokens (read to the host)
+            self.constrain.commit(emitted, n_emit)
         return emitted, n, pack(emitted, n_emit, lp, w)
 
     def _reject(self, x: torch.Tensor, rows: SamplingRows, drafts: torch.Tensor, pred: torch.Tensor, rpi: torch.Tensor,
@@ -341,11 +349,16 @@ class SpecWorker(TargetWorker):
             b = dataclasses.replace(view, input_ids=ids.reshape(-1), hidden_in=h, binding=runner.binding)
             o = self._forward(runner, b, eager)
             metas.append(runner.row_meta(b))
+            logits = o.logits
+            if flags.constrained:  # constrain: draft k proposes only what the grammar allows
+                logits = self.constrain.draft_logits(logits, k, self._layer(k).head.vocab_ids)
             if flags.all_greedy:  # argmax, vocabulary map, state write and window rotate (fused on CUDA)
-                _, ids = self.state.draft_greedy(o.logits, self._layer(k).head.vocab_ids, rpi, k, live, ids, n)
+                d, ids = self.state.draft_greedy(logits, self._layer(k).head.vocab_ids, rpi, k, live, ids, n)
             else:
-                d = self._draft_tokens(rpi, o.logits, k, flags, rows, live)
+                d = self._draft_tokens(rpi, logits, k, flags, rows, live)
                 ids = rotate(ids, n, d)  # every window shifts left, the new draft at the last accepted row
+            if flags.constrained:  # constrain: the matchers take the draft tentatively
+                self.constrain.draft_accept(d, k)
             if timer is not None:
                 timer.mark()
             h = o.hidden if self.chain else target_hidden

@@ -1,0 +1,259 @@
+"""The constrained path of a step: which rows are constrained, their masks, and the matchers' advance.
+
+A worker owns one `ConstrainRuntime` and calls it at a few delimited points (each a line or two, so
+they move with the worker's code): `begin(reqs, flags)` when it builds a batch's flags (a batch with
+no constrained request gets its flags back unchanged and the fast paths run untouched; otherwise
+`RowFlags.constrained` takes it off the plain-greedy paths and whole-iteration graphs); `mask(x)` on
+the logits a batch samples or verifies from; `commit(emitted, n_emit)` once a step's tokens are
+known, which reads them to the host (the host-synchronised part) and advances each matcher; and under
+speculation `draft_logits` / `draft_accept` around every draft step.
+
+Masks: a decode or first-token row gets the mask of the matcher as it is. Draft step k (proposing
+d_{k+1}) gets the mask after the committed tokens and d_1..d_k, which the matcher accepted
+tentatively; that is exactly the mask verify row k needs, so each is kept, with one more after d_S
+for the bonus row, and the matcher rolls the S drafts back. Verify rows then use those masks: greedy
+acceptance compares drafts with the masked argmax and rejection sampling uses the masked target
+distribution (and the masked draft distribution the drafts were drawn from), so constrained
+speculation emits what constrained target-only decoding does (greedy) or its distribution
+(sampling). A draft the grammar refuses (possible only where a draft step had nothing allowed in the
+draft's vocabulary) is rejected by its verify row, whose mask excludes it. A row with nothing allowed
+is left unmasked (softmax over nothing is NaN): a grammar that has terminated (its stop token
+accepted) or reached a dead end then refuses the token at `commit`, and `settle` ends the request,
+with "stop" or "constraint_unsatisfiable". `logit_bias` rides the same path as an additive row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mleagle.engine.constrain.bitmask import DeviceMask, apply_bitmask
+from mleagle.engine.sampling.processor import RowFlags
+
+FULL = -1  # an int32 word with every bit set: all 32 tokens allowed
+
+
+@dataclass(eq=False)
+class RequestConstraint:
+    """One request's constraint state: its matcher (None for a logit bias alone) and bias."""
+
+    matcher: Any = None
+    bias: torch.Tensor | None = None  # [V] float32 on the device, 0 where no bias
+    verify_masks: torch.Tensor | None = None  # [S+1, words] int32 (host): the next verify's rows
+    tentative: int = 0  # draft tokens the matcher accepted tentatively (rolled back after drafting)
+    alive: bool = True  # drafting: the matcher accepted every draft so far
+    last_valid: int | None = None  # of the last commit's tokens, how many the grammar took (None: all)
+    finish: str | None = None  # why the request must end now: "stop" or "constraint_unsatisfiable"
+
+
+class ConstrainRuntime:
+    def __init__(self, vocab: int, device: torch.device, steps: int = 0) -> None:
+        self.vocab, self.device, self.steps = vocab, device, steps
+        self.words = (vocab + 31) // 32
+        self.dmask = DeviceMask(vocab, device)
+        self._tokenizer: Any = None
+        self._strings: list[str] | None = None
+        self._stop_ids: list[int] = []
+        self._cache: Any = None  # GrammarCache, built at the first constraint (it imports xgrammar)
+        self.batch: list[RequestConstraint | None] = []
+        self._host = torch.empty(0, self.words, dtype=torch.int32)
+        # Host time spent on grammar work (mask fills, accepts, rollbacks), and the steps it covered.
+        self.host_s = 0.0
+        self.host_steps = 0
+
+    # --- set-up ------------------------------------------------------------------------------
+    def bind(self, tokenizer: Any, stop_ids: Sequence[int]) -> None:
+        """The engine's tokenizer and stop ids (a grammar's end is one of its stop tokens)."""
+        self._tokenizer, self._stop_ids, self._cache = tokenizer, sorted(stop_ids), None
+
+    def use_vocab(self, token_strings: Sequence[str], stop_ids: Sequence[int]) -> None:
+        """A raw vocabulary instead (token i is that text): models without a tokenizer, and tests."""
+        self._strings, self._stop_ids, self._cache = list(token_strings), sorted(stop_ids), None
+
+    @property
+    def grammars(self) -> Any:
+        if self._cache is None:
+            from mleagle.engine.constrain.compiler import GrammarCache
+
+            self._cache = GrammarCache(self.vocab, tokenizer=self._tokenizer, token_strings=self._strings,
+                                       stop_ids=self._stop_ids)
+        return self._cache
+
+    # --- per request -------------------------------------------------------------------------
+    def check(self, params: Any) -> None:
+        """Compile (or find cached) the request's grammar; `ConstraintError` names what is wrong."""
+        from mleagle.engine.constrain.compiler import ConstraintError
+
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab]
+            if bad:
+                raise ConstraintError(f"logit_bias token ids must be below {self.vocab}: {bad[:5]}", "logit_bias")
+        if params.structured_outputs is not None:
+            if params.min_new_tokens > 0:
+                # The grammar may need its stop token before min_tokens, which would then be banned.
+                raise ConstraintError("cannot be combined with structured output", "min_new_tokens")
+            self.grammars.get(params.structured_outputs)
+
+    def new_state(self, params: Any) -> RequestConstraint | None:
+        if not params.constrained:
+            return None
+        c = RequestConstraint()
+        if params.structured_outputs is not None:
+            c.matcher = self.grammars.matcher(self.grammars.get(params.structured_outputs))
+        if params.logit_bias:
+            b = torch.zeros(self.vocab, dtype=torch.float32)
+            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64)
+            b[ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            c.bias = b.to(self.device)
+        return c
+
+    # --- per batch ---------------------------------------------------------------------------
+    def begin(self, reqs: Sequence[Any], flags: RowFlags) -> RowFlags:
+        """The batch a step is about to run; its flags, marked constrained when any request is."""
+        cons = [r.constraint for r in reqs]
+        if all(c is None for c in cons):
+            self.batch = []
+            return flags
+        self.batch = cons
+        return dataclasses.replace(flags, constrained=True)
+
+    def _buf(self, rows: int) -> torch.Tensor:
+        if self._host.shape[0] < rows:
+            n = max(rows, 2 * self._host.shape[0])
+            self._host = torch.empty(n, self.words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        h = self._host[:rows]
+        h.fill_(FULL)
+        return h
+
+    def _fill(self, c: RequestConstraint, out: torch.Tensor, row: int) -> None:
+        """The matcher's next-token mask into out[row]; left all-allowed when the matcher has
+        terminated or allows nothing (see the module docstring: `commit` then ends the request)."""
+        m = c.matcher
+        if m is None or m.is_terminated():
+            return
+        m.fill_next_token_bitmask(out, row)
+        if not bool(out[row].any()):
+            out[row].fill_(FULL)
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        """x [bs·w, V] (w = 1: decode or first token; w = S+1: verify rows) → masked and biased."""
+        bs = len(self.batch)
+        rows = x.shape[0]
+        w = rows // bs
+        t0 = time.perf_counter()
+        h = self._buf(rows)
+        for i, c in enumerate(self.batch):
+            if c is None or c.matcher is None:
+                continue
+            if w == 1:
+                self._fill(c, h, i)
+            else:
+                assert c.verify_masks is not None and c.verify_masks.shape[0] == w, "verify without drafted masks"
+                h[i * w : (i + 1) * w] = c.verify_masks
+        self._tick(t0)
+        x = apply_bitmask(x, self.dmask.allowed(h))
+        return self._bias(x, w)
+
+    def _bias(self, x: torch.Tensor, w: int, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not any(c is not None and c.bias is not None for c in self.batch):
+            return x
+        zero = torch.zeros(self.vocab, dtype=torch.float32, device=x.device)
+        b = torch.stack([c.bias if c is not None and c.bias is not None else zero for c in self.batch])
+        if vocab_ids is not None:
+            b = b[:, vocab_ids]
+        if w > 1:
+            b = b.repeat_interleave(w, 0)
+        return x + b.to(x.dtype)
+
+    def commit(self, emitted: torch.Tensor, n_emit: torch.Tensor) -> None:
+        """The step's tokens, emitted [bs, W] (the first n_emit[b] valid), into each matcher. A token the
+        grammar refuses, or any token after it terminated, is cut (`settle` drops it and ends the request)."""
+        t0 = time.perf_counter()
+        em, ne = emitted.tolist(), n_emit.view(-1).tolist()
+        for i, c in enumerate(self.batch):
+            if c is None or c.matcher is None:
+                continue
+            m = c.matcher
+            c.last_valid = None
+            for j in range(int(ne[i])):
+                if m.is_terminated():
+                    c.last_valid, c.finish = j, "stop"
+                    break
+                if not m.accept_token(int(em[i][j])):
+                    c.last_valid, c.finish = j, "constraint_unsatisfiable"
+                    break
+        self._tick(t0)
+        self.host_steps += 1
+
+    # --- draft steps -------------------------------------------------------------------------
+    def draft_logits(self, logits: torch.Tensor, k: int, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+        """Draft step k's logits [bs, Vd] (a reduced draft vocabulary maps through `vocab_ids`), masked
+        to what the grammar allows after the committed tokens and drafts d_1..d_k. The target-vocabulary
+        mask is kept as verify row k's."""
+        t0 = time.perf_counter()
+        bs = len(self.batch)
+        h = self._buf(bs)
+        for i, c in enumerate(self.batch):
+            if c is None or c.matcher is None:
+                continue
+            if k == 0:
+                c.tentative, c.alive = 0, True
+                c.verify_masks = torch.full((self.steps + 1, self.words), FULL, dtype=torch.int32)
+            if c.alive:
+                self._fill(c, h, i)
+                assert c.verify_masks is not None
+                c.verify_masks[k] = h[i]
+        self._tick(t0)
+        allowed = self.dmask.allowed(h)
+        if vocab_ids is not None:
+            allowed = allowed[:, vocab_ids]
+        # A row with nothing allowed in the draft's vocabulary drafts unmasked (its verify row rejects it).
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        return self._bias(apply_bitmask(logits, allowed), 1, vocab_ids)
+
+    def draft_accept(self, drafts: torch.Tensor, k: int) -> None:
+        """Draft step k's tokens [bs] into the matchers, tentatively; after the last step, the bonus
+        row's mask, then the drafts rolled back."""
+        t0 = time.perf_counter()
+        d = drafts.view(-1).tolist()
+        last = k == self.steps - 1
+        for i, c in enumerate(self.batch):
+            if c is None or c.matcher is None:
+                continue
+            m = c.matcher
+            if c.alive:
+                if not m.is_terminated() and m.accept_token(int(d[i])):
+                    c.tentative += 1
+                else:
+                    c.alive = False
+            if last:
+                if c.alive:
+                    assert c.verify_masks is not None
+                    row = c.verify_masks[self.steps : self.steps + 1]
+                    self._fill(c, row, 0)
+                if c.tentative:
+                    m.rollback(c.tentative)
+                c.tentative = 0
+        self._tick(t0)
+
+    def _tick(self, t0: float) -> None:
+        self.host_s += time.perf_counter() - t0
+
+
+def settle(req: Any, res: Any) -> str | None:
+    """After a step, for the scheduler: drop the tokens the request's grammar refused (from its last
+    commit) from `res`, and say why the request must end (None: it goes on)."""
+    c = req.constraint
+    if c is None:
+        return None
+    n, c.last_valid = c.last_valid, None
+    if n is not None and n < len(res.tokens):
+        del res.tokens[n:]
+        if res.logprobs is not None:
+            del res.logprobs[n:]
+    return c.finish
