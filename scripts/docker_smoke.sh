@@ -68,7 +68,8 @@ echo "docker: client $("$DOCKER" version -f '{{.Client.Version}}'), daemon $("$D
 echo "network: $SMOKE_NETWORK; server threads: ${SMOKE_THREADS:-config default}; build arguments: ${*:-(none)}"
 
 step "checkout venv (scripts/install.sh test): the reference server and the openai client"
-bash scripts/install.sh test
+# (paths shown relative to the checkout, so the log says nothing about where it ran)
+bash scripts/install.sh test 2>&1 | sed "s|$PWD|.|g"
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   step "docker build -t $IMAGE"
