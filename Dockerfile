@@ -16,11 +16,14 @@
 # Wheels in a `wheels/` folder of the build context (git-ignored) are installed from first (pip
 # --find-links) and are not kept in the image.
 #
-# GPU: a CUDA base image and the matching torch wheel index (a CUDA torch build brings Triton), then
-# run with --gpus all: device "auto" serves on the GPU in bfloat16 with CUDA graphs.
+# GPU: a CUDA build of torch, then run with --gpus all: device "auto" serves on the GPU in bfloat16
+# with CUDA graphs. The wheel brings Triton and the CUDA libraries (nvidia-* wheels); the driver comes
+# from the host with --gpus. Either a CUDA base and the matching torch index,
 #   docker build -t mleagle:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# or the default base and the package index's own torch (on PyPI, 2.13.0+cu130: a CUDA 13 driver):
+#   docker build -t mleagle:cuda --build-arg TORCH_INDEX_URL= .
 #   docker run --rm --gpus all -p 8000:8000 mleagle:cuda
 #
 # At run time: MLEAGLE_API_KEY (from the environment only; nothing in the image sets it), MLEAGLE_PORT
