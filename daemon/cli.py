@@ -4,8 +4,9 @@
 flag overrides one field of it, and the result is validated by the same pydantic models, so a bad flag
 value fails with the field's name before anything starts. `--model` swaps the `[model]` section for
 another bundled config, TOML, GGUF file or HF directory. `--api-key` may also come from
-`MLEAGLE_API_KEY` (keeps it out of `ps`). The daemon itself never imports torch: the engine runs in
-its own process (`mleagle.engine.service.process`).
+`MLEAGLE_API_KEY` (keeps it out of `ps`), `--host` and `--port` from `MLEAGLE_HOST` and `MLEAGLE_PORT`.
+The daemon itself never imports torch: the engine runs in its own process
+(`mleagle.engine.service.process`).
 """
 
 from __future__ import annotations
@@ -66,8 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mleagle serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     ap.add_argument("--config", default=None, help="bundled config name or TOML path (default: smollm2-135m)")
     ap.add_argument("--model", default=None, help="replace the config's model: config name, TOML, GGUF or HF dir")
-    ap.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to listen everywhere)")
-    ap.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
+    # Host and port may come from the environment (as the Docker image sets them, so that its
+    # HEALTHCHECK reads the same port); a flag wins over the environment, which wins over the config.
+    ap.add_argument("--host", default=os.environ.get("MLEAGLE_HOST") or None,
+                    help="bind address (default 127.0.0.1, or $MLEAGLE_HOST; 0.0.0.0 to listen everywhere)")
+    ap.add_argument("--port", type=int, default=os.environ.get("MLEAGLE_PORT") or None,
+                    help="port (default 8000, or $MLEAGLE_PORT; 0 picks a free one)")
     ap.add_argument("--api-key", default=os.environ.get("MLEAGLE_API_KEY"), help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--served-model-name", default=None)
     add_device_args(ap)

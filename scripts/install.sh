@@ -25,6 +25,7 @@ pip_ --no-deps "xgrammar==0.2.9"
 if [ "$mode" = test ]; then
   pip_ -e ".[tui,test]"
 else
-  pip_ -e ".[tui]"
+  # The engine extra (numpy, gguf, safetensors) is what loads the model: serving needs it too.
+  pip_ -e ".[engine,tui]"
 fi
 echo "mleagle installed into ${VIRTUAL_ENV:-system python} ($mode)"
