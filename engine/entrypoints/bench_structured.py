@@ -1,4 +1,4 @@
-"""`mleagle bench structured`: what a JSON-schema constraint costs, with and without the draft (CPU).
+"""`mleagle bench structured`: what a JSON-schema constraint costs, with and without the draft.
 
 One process holds two engines of the same model, target-only and speculative (`--draft`), and runs
 the same prompts on each, unconstrained and under one JSON schema (nested object, enum, bounded
@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from mleagle.engine.contract.cli_flags import add_device_args, resolve_device
 
 TOPICS = ["a person", "a city", "a book", "a car", "a movie", "a restaurant", "a laptop", "a football team",
           "a planet", "a song", "a dog", "a hotel"]
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default="drafts/smollm2-135m-mtp3")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_device_args(p, "cpu", "float32")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -73,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engines = {"target-only": Engine(args.model, draft="none", device="cpu", dtype="float32"),
-               "spec": Engine(args.model, draft=args.draft, device="cpu", dtype="float32")}
+    dev, dt = resolve_device(args.device, args.dtype)
+    engines = {"target-only": Engine(args.model, draft="none", device=dev, dtype=dt),
+               "spec": Engine(args.model, draft=args.draft, device=dev, dtype=dt)}
     tok = engines["target-only"].tokenizer
     assert tok is not None
     prompts = [tok.encode_chat([{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object."}])
@@ -147,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
     g = e.worker.constrain.grammars
     result: dict[str, Any] = {
         "machine": {"cpu": _cpu_name(), "cores": torch.get_num_threads(), "torch": torch.__version__,
-                    "platform": platform.platform()},
-        "model": args.model, "draft": args.draft, "dtype": "float32", "device": "cpu",
+                    "platform": platform.platform(),
+                    "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None},
+        "model": args.model, "draft": args.draft, "dtype": dt, "device": dev,
         "data": f"{args.prompts} synthetic prompts 'Describe <topic> as a JSON object.' (bench_structured.TOPICS), chat template",
         "max_new_tokens": args.max_new_tokens, "greedy": True, "rounds": args.rounds, "schema": schema(),
         "rows": rows, "spec_equals_target_only": same,
