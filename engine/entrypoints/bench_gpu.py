@@ -4,8 +4,8 @@ Every row is one `Engine.generate` call over the first `bs` first turns of a pro
 greedy, `ignore_eos`, exactly `--max-new-tokens` tokens per request), after a warm-up call of the same
 shape; tok/s counts every generated token over the call's wall time (prefill included). Configurations,
 each an engine built once and reused for every batch size, all in one process and one run: graphs
-against eager, target-only against speculation (with `--simulate-accept-len L` the speculative worker is
-forced to accept L-1 drafts per iteration, and every line and JSON field says "simulated"), each
+against eager, target-only against speculation (with `--simulate-accept-len L` the measuring worker of
+`spec/reference.py` accepts L-1 drafts per iteration, and every line and JSON field says "simulated"), each
 attention backend, HF transformers' eager and static-cache `generate` on the same weights; at batch 1
 a profile gives CUDA kernels per generated token and GPU-busy time over wall time; with `--big`, a
 Llama-3-8B-shaped dummy model's decode step against the HBM floor (its weight bytes over the copy
