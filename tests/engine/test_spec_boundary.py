@@ -69,3 +69,17 @@ def test_both_policies_are_exact() -> None:
         got = e.generate([PROMPT, PROMPT[:4]], GREEDY)
         assert [c.token_ids for c in got] == [c.token_ids for c in want], pol
         assert not e.mem.idle_problems()
+
+
+def test_forced_acceptance_accepts_the_forced_count() -> None:
+    """The benchmarks' measuring worker: every iteration accepts exactly the forced number of drafts
+    (eagerly, and inside the whole-iteration graph path), whatever the draft proposed."""
+    from mleagle.engine.spec.reference import ForcedAcceptSpecWorker
+
+    for over in ({}, {"graph_emulate": True}):
+        e = tiny_engine("random:3", spec_worker=ForcedAcceptSpecWorker, spec_worker_kw={"accept": 2}, **over)
+        e.generate([PROMPT, PROMPT[:4]], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+        st = e.worker.stats
+        assert st.num_verify > 0 and st.num_accepted_tokens == 2 * st.num_verify, over
+        assert st.accepted_per_depth == [st.num_verify, st.num_verify, 0]
+        assert not e.mem.idle_problems()
