@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev, dt = resolve_device(args.device, args.dtype)
-    engines = {"target-only": Engine(args.model, draft="none", device=dev, dtype=dt),
-               "spec": Engine(args.model, draft=args.draft, device=dev, dtype=dt)}
+    device, dtype = resolve_device(args.device, args.dtype)
+    engines = {"target-only": Engine(args.model, draft="none", device=device, dtype=dtype),
+               "spec": Engine(args.model, draft=args.draft, device=device, dtype=dtype)}
     tok = engines["target-only"].tokenizer
     assert tok is not None
     prompts = [tok.encode_chat([{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object."}])
@@ -152,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "machine": {"cpu": _cpu_name(), "cores": torch.get_num_threads(), "torch": torch.__version__,
                     "platform": platform.platform(),
-                    "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None},
-        "model": args.model, "draft": args.draft, "dtype": dt, "device": dev,
+                    "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},
+        "model": args.model, "draft": args.draft, "dtype": dtype, "device": device,
         "data": f"{args.prompts} synthetic prompts 'Describe <topic> as a JSON object.' (bench_structured.TOPICS), chat template",
         "max_new_tokens": args.max_new_tokens, "greedy": True, "rounds": args.rounds, "schema": schema(),
         "rows": rows, "spec_equals_target_only": same,
