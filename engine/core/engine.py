@@ -246,8 +246,7 @@ class Engine:
             from mleagle.engine.spec.build import build_spec_worker  # the speculative path, when asked
             from mleagle.engine.spec.worker import SpecWorker
 
-            if cls is not None and "prefix_cache" in cls.__init__.__code__.co_varnames:
-                kw = {"prefix_cache": self.mem.cache is not None, **kw}
+            kw = {"prefix_cache": self.mem.cache is not None, **kw}  # a reference worker may refuse the cache
             parts = build_spec_worker(self.cfg.engine, self.arch, self.model, self.target, self.mem,
                                       max_reqs=self.max_reqs, dtype=self.dtype, device=self.device,
                                       eos_ids=frozenset(self.eos_ids), cls=cls or SpecWorker, **kw)

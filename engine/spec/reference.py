@@ -35,6 +35,7 @@ class RecomputeSpecWorker(SpecWorker):
     """The recompute boundary-KV policy (see the module docstring)."""
 
     def __init__(self, *args: Any, prefix_cache: bool = False, **kw: Any):
+        """`prefix_cache`: whether the engine runs one (the builder passes it to every worker class)."""
         if prefix_cache:
             raise EngineInputError("the recompute boundary-KV reference needs the prefix cache off "
                                    "(enable_prefix_cache=false): a cache hit has no target hidden states to "

@@ -77,7 +77,9 @@ class IterationStats:
 class SpecWorker(TargetWorker):
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(), vocab: int = 0,
-                 max_reqs: int = 0):
+                 max_reqs: int = 0, prefix_cache: bool = False):
+        # `prefix_cache` (whether the engine keeps one) is told to every worker class: this one serves
+        # with or without it, a measuring subclass may refuse it.
         if not 1 <= steps <= len(drafts):
             raise ValueError(f"spec steps {steps} must be in 1..{len(drafts)} (the draft's layers)")
         super().__init__(target, device, eos_ids, vocab, max_reqs, steps)
