@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mleagle.engine.contract.cli_flags import add_device_args, resolve_device
+from mleagle.engine.entrypoints.bench import cpu_name
 
 TOPICS = ["a person", "a city", "a book", "a car", "a movie", "a restaurant", "a laptop", "a football team",
           "a planet", "a song", "a dog", "a hotel"]
@@ -56,16 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-reps", type=int, default=10)
     p.add_argument("--out", default="results/bench_structured_cpu.json")
     return p
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             ttft[key].append(time.perf_counter() - t0)
     g = e.worker.constrain.grammars
     result: dict[str, Any] = {
-        "machine": {"cpu": _cpu_name(), "cores": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": {"cpu": (cpu_name() or "unknown"), "cores": torch.get_num_threads(), "torch": torch.__version__,
                     "platform": platform.platform(),
                     "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},
         "model": args.model, "draft": args.draft, "dtype": dtype, "device": device,

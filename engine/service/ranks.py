@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from mleagle.engine.contract.config import EngineConfig, MleagleConfig
 from mleagle.engine.distributed import TPGroup, set_current
+from mleagle.engine.service.parent import pid_alive
 
 log = logging.getLogger("mleagle.engine.ranks")
 CONFIG_KEY = "mleagle/config"
@@ -239,22 +240,12 @@ class SignedStore(dist.Store):
         return int(self.raw.num_keys())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep_store_dirs() -> None:
     """Remove this user's store folders whose rank 0 is gone (a rank 0 killed with SIGKILL runs no cleanup)."""
     for d in Path(tempfile.gettempdir()).glob(STORE_DIR_PREFIX + "*"):
         try:
             pid = int(d.name[len(STORE_DIR_PREFIX):].split("-", 1)[0])
-            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid() or _pid_alive(pid):
+            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid() or pid_alive(pid):
                 continue
         except (ValueError, OSError):
             continue
