@@ -39,6 +39,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "engine_ping_interval": ("server", "engine_ping_interval_s"),
     "engine_ping_timeout": ("server", "engine_ping_timeout_s"),
     "events_include_text": ("server", "events_include_text"),
+    "warm_up": ("server", "warm_up"),
     "device": ("engine", "device"),
     "dtype": ("engine", "dtype"),
     "draft": ("engine", "draft"),
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of engine silence before it is declared frozen and restarted (0: never)")
     ap.add_argument("--events-include-text", action="store_true", default=None,
                     help="put token ids, text and logprobs of every request in /v1/events (off: counts only)")
+    ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                    help="run a few short requests of its own before reporting ready, so the first user request "
+                         "meets no first-use cost (default; --no-warm-up starts a second or so sooner)")
     ap.add_argument("--access-log", action="store_true")
     ap.add_argument("--log-level", default="INFO")
     return ap

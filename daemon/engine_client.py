@@ -100,9 +100,13 @@ class EngineRequestFailed(Exception):
 
 
 def load_tokenizer(path: str) -> Any:
+    """The engine's tokenizer, used once before it serves: its chat template and special-token pattern
+    compile on first use, which would otherwise land in the first request's latency."""
     from mleagle.engine.contract.tokenizer import Tokenizer
 
-    return Tokenizer.load(path)
+    tok = Tokenizer.load(path)
+    tok.decode(tok.encode_chat([{"role": "user", "content": "warm up"}]))
+    return tok
 
 
 @dataclass

@@ -215,6 +215,10 @@ class ServerConfig(BaseModel):
     engine_ping_interval_s: float = Field(1.0, gt=0)
     engine_ping_timeout_s: float = Field(30.0, ge=0)
     events_include_text: bool = False
+    # Before the engine reports ready it runs a few short requests of its own and forgets them
+    # (`Engine.warm_up`), so the first user request meets no first-use cost (allocations, kernel
+    # selection, compilation: several times a request's latency otherwise).
+    warm_up: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:

@@ -332,6 +332,29 @@ class Engine:
             obs(outs, report)
         return outs
 
+    def warm_up(self, lengths: Sequence[int] = (32, 256)) -> float:
+        """Meet, before any request does, the shapes a first request meets: a prefill at each of a few
+        prompt lengths with a few decode steps, greedy alone and sampled side by side (so the sampler's
+        and the batch's paths run too); then forget it all: the prefix cache emptied, every counter
+        back to zero, the request seeds starting over. Returns the seconds it took. Under tensor
+        parallelism the followers run it too (it goes through `add_request` and `step`)."""
+        t0 = time.perf_counter()
+        v = self.arch.vocab_size
+        room = min(self.max_context_len, self.allocator.capacity_tokens // 2) - 8 - self.worker.lookahead
+        prompts = [[(7 * i + 3) % v for i in range(n)] for n in lengths if n <= room] or [[1, 2, 3]]
+        greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=0, ignore_eos=True)
+        for p in prompts:
+            self.generate([p], greedy)
+        self.generate(prompts, [sampled] * len(prompts))
+        self.reset_prefix_cache()
+        s, w = self.scheduler, self.worker
+        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = 0
+        w.reset_counters()
+        self._seeds = itertools.count()
+        self._added = []
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op without them)."""
         if self.control is not None:

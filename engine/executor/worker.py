@@ -415,6 +415,16 @@ class TargetWorker:
     def on_finish(self, p: Pending, res: list[StepResult]) -> None:
         """Hook for the speculative worker's accounting."""
 
+    def reset_counters(self) -> None:
+        """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up."""
+        for r in self.runners:
+            r.eager.clear()
+            r.num_forwards = 0
+            if r.graphs is not None:
+                r.graphs.stats.replays.clear()
+        if self.iter_graph is not None:
+            self.iter_graph.stats.replays.clear()
+
     def decode(self, reqs: list[Req]) -> list[StepResult]:
         return self.finish(self.launch(reqs))
 

@@ -340,6 +340,8 @@ def _main(args: argparse.Namespace) -> int:
     pump = _event_pump(args.events)
     try:
         engine = build_engine(cfg)
+        if cfg.server.warm_up and hasattr(engine, "warm_up"):
+            log.info("engine warmed up in %.2fs", engine.warm_up())  # before ready: no request meets a first use
         tok_dir = None
         if getattr(engine, "tokenizer", None) is not None:
             tok_dir = str(Path(args.run_dir) / "tokenizer")

@@ -411,6 +411,11 @@ class SpecWorker(TargetWorker):
                 self.stats.accepted_per_depth[j] += 1
             self.boundary_kv_stale_positions += self.stale_positions(n)
 
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.stats = SpecStats(accepted_per_depth=[0] * self.steps)
+        self.boundary_kv_stale_positions = 0
+
     def kv_valid_len(self, req: Req) -> int:
         """Draft pools are filled when a request's prefill completes: until then only its cached prefix
         is valid in every runner. After that every committed position is (stale policy: as written)."""

@@ -81,3 +81,21 @@ def test_aborts_end_waiting_and_running_requests() -> None:
         outs += e.step()
     assert {o.rid: o.finish_reason for o in outs if o.finished} == {"run": "abort", "wait": "abort"}
     assert all_free(e)
+
+
+def test_warm_up_leaves_no_trace() -> None:
+    """`Engine.warm_up` (run before the engine reports ready) leaves the engine as it found it: pools free,
+    the prefix cache empty, counters at zero, request seeds starting over, so what users get afterwards
+    is what an engine without it gives (greedy and engine-seeded sampling alike)."""
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sps = [greedy(10), SamplingParams(temperature=0.9, max_new_tokens=10)]  # the second: an engine seed
+    want = run(tiny_engine("random:2"), prompts, sps)
+    e = tiny_engine("random:2")
+    assert e.warm_up(lengths=(8, 24)) > 0
+    s = e.scheduler
+    assert (s.num_steps, s.prefix_queries, s.prefix_hits) == (0, 0, 0)
+    assert e.worker.stats.num_verify == 0 and e.worker.boundary_kv_stale_positions == 0  # type: ignore[attr-defined]
+    assert e.mem.cache is not None and e.mem.cache.cached_tokens == 0 and all_free(e)
+    assert run(e, prompts, sps) == want
