@@ -48,10 +48,6 @@ from mleagle.engine.sampling.sampler import logprobs, sample
 
 log = logging.getLogger("mleagle.engine")
 
-# body(rpi, live, flags, host, eager, timer) -> (packed result, row metadata of every forward it ran)
-IterationBody = Callable[[torch.Tensor, "torch.Tensor | None", RowFlags, HostView, bool, "Timer | None"],
-                         tuple[torch.Tensor, list[RowMeta]]]
-
 
 @dataclass(frozen=True)
 class GraphSettings:
