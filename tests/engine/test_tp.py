@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -307,6 +308,16 @@ def _oai_calls(url: str, key: str = "none") -> list[Any]:
     res.append((r.choices[0].message.content, r.choices[0].finish_reason))
     r = c.completions.create(model="tiny-tok", prompt="Seeded", max_tokens=10, temperature=0.9, seed=5)
     res.append(r.choices[0].text)
+    # Structured output under tensor parallelism: every rank builds the same matchers from the same
+    # requests, so the constrained tokens (and the drafts' masks) agree across ranks and with TP=1.
+    r = c.completions.create(model="tiny-tok", prompt="Pick a color:", max_tokens=8, temperature=0,
+                             extra_body={"structured_outputs": {"regex": "(red|green|blue)( [a-z]{1,6})?"}})
+    text = r.choices[0].text
+    assert r.choices[0].finish_reason != "stop" or re.fullmatch("(red|green|blue)( [a-z]{1,6})?", text), text
+    res.append((text, r.choices[0].finish_reason))
+    r = c.chat.completions.create(model="tiny-tok", messages=[{"role": "user", "content": "JSON, please."}],
+                                  max_tokens=16, temperature=0, response_format={"type": "json_object"})
+    res.append((r.choices[0].message.content, r.choices[0].finish_reason))
     return res
 
 
