@@ -109,7 +109,10 @@ print(\"structured output (xgrammar, tvm_ffi, transformers):\", \"MISSING \" + \
 sys.exit(1 if bad or missing else 0)"
 ' || fail "the image holds what it should not, or lacks what structured output needs"
 # The CA bundle was a build secret: its name must appear in no layer's command.
-if "$DOCKER" history --no-trunc --format '{{.CreatedBy}}' "$IMAGE" | grep -q 'BEGIN CERTIFICATE'; then
+# (Output is captured before grep -q reads it: with pipefail, grep -q quitting at its first match makes the
+# writer die of SIGPIPE and the pipeline fail, turning a match into a miss.)
+hist=$("$DOCKER" history --no-trunc --format '{{.CreatedBy}}' "$IMAGE")
+if grep -q 'BEGIN CERTIFICATE' <<<"$hist"; then
   fail "a certificate is in the image history"
 fi
 
@@ -137,8 +140,9 @@ t_started=$(date -d "$("$DOCKER" inspect -f '{{.State.StartedAt}}' "$NAME")" +%s
 t_proc=$(awk -v a="$t0" -v b="$t_started" -v h="$t_health" 'BEGIN { printf "%.1f s to the process start, then %.1f s", b - a, h - (b - a) }')
 echo "time from docker run to /health 200: $t_health s ($t_proc); to docker health \"healthy\": $t_docker s (HEALTHCHECK every 5 s)"
 echo "load average then: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPUs"
-"$DOCKER" logs "$NAME" 2>&1 | grep -q dequantising && fail "the container dequantised the GGUF at start (build-time cache missed)"
-echo "container log (start-up):"; "$DOCKER" logs "$NAME" 2>&1 | sed 's/^/  | /'
+logs=$("$DOCKER" logs "$NAME" 2>&1)
+grep -q dequantising <<<"$logs" && fail "the container dequantised the GGUF at start (build-time cache missed)"
+echo "container log (start-up):"; sed 's/^/  | /' <<<"$logs"
 # The key reached the server from the environment: without it the API refuses.
 code=$(.venv/bin/python -c "import urllib.request as u, urllib.error as e
 try: u.urlopen('http://127.0.0.1:$PORT/v1/models'); print(200)
@@ -184,8 +188,9 @@ step "docker stop while 8 streams are in flight"
 py drain "http://127.0.0.1:$PORT" --key "$KEY" --n 8 --max-tokens 64 --stop-cmd "$DOCKER stop -t $((DRAIN_S + 30)) $NAME" \
   || { "$DOCKER" logs "$NAME" 2>&1 | tail -20; fail "streams cut by docker stop"; }
 code=$("$DOCKER" inspect -f '{{.State.ExitCode}}' "$NAME")
-echo "container log (shutdown):"; "$DOCKER" logs "$NAME" 2>&1 | grep -E 'draining|in flight|drained|stopped' | sed 's/^/  | /'
-"$DOCKER" logs "$NAME" 2>&1 | grep -q "SIGTERM: draining" || fail "no SIGTERM drain in the log"
+logs=$("$DOCKER" logs "$NAME" 2>&1)
+echo "container log (shutdown):"; grep -E 'draining|in flight|drained|stopped' <<<"$logs" | sed 's/^/  | /'
+grep -q "SIGTERM: draining" <<<"$logs" || fail "no SIGTERM drain in the log"
 [ "$code" = 0 ] || fail "exit code $code after docker stop"
 echo "exit code after docker stop: $code"
 
