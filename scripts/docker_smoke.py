@@ -2,6 +2,8 @@
 
   wait-healthy URL [--timeout S]            poll /health until 200; print the seconds it took
   greedy URL --key K --out FILE             streamed greedy chat completions of fixed prompts -> JSON
+  structured URL --key K --out FILE         greedy chat completions under response_format (json_object,
+                                            json_schema): each a JSON object (of the schema) -> JSON
   compare A.json B.json                     the same prompts answered with the same text? (exit 1 if not)
   metrics URL --key K [--min-requests N]    /metrics needs the key and counts the requests served
   drain URL --key K --stop-cmd CMD [--n 8]  N streams in flight, then CMD (e.g. docker stop): all finish?
@@ -91,14 +93,63 @@ def cmd_greedy(a: argparse.Namespace) -> int:
     return 0
 
 
+# Structured output (the engine's xgrammar path): any JSON object, and a JSON schema, greedy. Prompts and
+# bounds chosen so that SmolLM2-135M closes its object well inside max_tokens (an unbounded integer or an
+# open-ended prompt runs it to the limit, which would be a valid prefix but no JSON document).
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+                   "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+    "required": ["name", "country", "population"],
+    "additionalProperties": False,
+}
+STRUCTURED = {
+    'json_object: Return a JSON object with the keys "city" and "country" for Paris.': {"type": "json_object"},
+    "json_schema city: Describe Paris as JSON.": {
+        "type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+}
+
+
+def cmd_structured(a: argparse.Namespace) -> int:
+    c = client(a.url, a.key)
+    m = model_id(c)
+    out = {"model": m, "max_tokens": a.max_tokens, "answers": {}}
+    ok = True
+    for label, rf in STRUCTURED.items():
+        r = stream_chat(c, m, label.split(": ", 1)[1], a.max_tokens, response_format=rf)
+        out["answers"][label] = r
+        why = ""
+        try:
+            obj = json.loads(r["text"])
+            if not isinstance(obj, dict):
+                why = "not a JSON object"
+            elif rf["type"] == "json_schema":
+                props = CITY_SCHEMA["properties"]
+                if set(obj) != set(props) or not isinstance(obj["population"], int) \
+                        or not all(isinstance(obj[k], str) and len(obj[k]) <= 20 for k in ("name", "country")):
+                    why = "does not follow the schema"
+        except ValueError as e:
+            why = f"not JSON ({e})"
+        if r["finish_reason"] != "stop":
+            why = why or f"finish_reason {r['finish_reason']!r}, not 'stop'"
+        ok &= not why
+        print(f"  {label.split(':')[0]}: {r['completion_tokens']} tokens, {r['finish_reason']}, {r['total_s']:.1f}s: "
+              f"{'valid' if not why else 'INVALID: ' + why}: {r['text'][:100]!r}")
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0 if ok else 1
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     x, y = (json.load(open(p))["answers"] for p in (a.a, a.b))
-    bad = [p for p in PROMPTS if x[p]["text"] != y[p]["text"] or x[p]["completion_tokens"] != y[p]["completion_tokens"]]
-    for p in PROMPTS:
+    keys = list(x)
+    bad = [p for p in keys if p not in y or x[p]["text"] != y[p]["text"]
+           or x[p]["completion_tokens"] != y[p]["completion_tokens"]]
+    for p in keys:
         print(f"  {'equal' if p not in bad else 'DIFFERENT'} ({x[p]['completion_tokens']} tokens): {p!r}")
     if bad:
         for p in bad:
-            print(f"{a.a}: {x[p]['text']!r}\n{a.b}: {y[p]['text']!r}", file=sys.stderr)
+            print(f"{a.a}: {x[p]['text']!r}\n{a.b}: {y.get(p, {}).get('text')!r}", file=sys.stderr)
         return 1
     return 0
 
@@ -198,6 +249,11 @@ def main() -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
+    p = sub.add_parser("structured")
+    p.add_argument("url")
+    p.add_argument("--key", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-tokens", type=int, default=128)
     p = sub.add_parser("compare")
     p.add_argument("a")
     p.add_argument("b")
@@ -212,7 +268,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     a = ap.parse_args()
-    return {"wait-healthy": cmd_wait_healthy, "greedy": cmd_greedy, "compare": cmd_compare,
+    return {"wait-healthy": cmd_wait_healthy, "greedy": cmd_greedy, "structured": cmd_structured, "compare": cmd_compare,
             "metrics": cmd_metrics, "drain": cmd_drain}[a.cmd](a)
 
 

