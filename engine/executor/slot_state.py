@@ -230,12 +230,13 @@ class SlotState:
         the live rows (n+1 tokens and KV positions, one iteration). `forced` (a device scalar ≥ 0, for
         measurement only) overrides the accepted count; `fused` forces a side (the kernel tests)."""
         sim = self._unforced if forced is None else forced
-        drafts = self.drafts[rpi]
         if fused_layers_on(logits) if fused is None else fused:
             from mleagle.engine.kernels.spec_step import greedy_accept
 
+            # The kernel reads each request's drafts from the table itself: no gather launched for it.
             return greedy_accept(logits, w, rpi, live, sim, self.drafts, self.last_tok, self.n_out, self.kv_len,
                                  self.iters)
+        drafts = self.drafts[rpi]
         s, bs = w - 1, int(rpi.shape[0])
         pred = logits.argmax(-1).view(bs, w)
         n = torch.where(sim >= 0, sim.clamp(max=s), accepted(drafts, pred))
