@@ -44,6 +44,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "dtype": ("engine", "dtype"),
     "draft": ("engine", "draft"),
     "spec_steps": ("engine", "spec_steps"),
+    "spec_policy": ("engine", "spec_policy"),
     "attention_backend": ("engine", "attention_backend"),
     "max_total_tokens": ("engine", "max_total_tokens"),
     "kv_memory_mb": ("engine", "kv_memory_mb"),
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_args(ap)
     ap.add_argument("--draft", default=None, help="draft stack: PATH, random:S[:seed] or none")
     ap.add_argument("--spec-steps", type=int, default=None)
+    ap.add_argument("--spec-policy", choices=["auto", "always", "off", "cycle"], default=None,
+                    help="draft steps per iteration: auto (0..S, whatever pays; default), always (S), off (0)")
     ap.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                     help="auto: triton on CUDA, torch on the CPU")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (per runner)")

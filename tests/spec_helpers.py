@@ -50,6 +50,9 @@ def chaos(e: Engine, qk: float = 8.0, head: float = 25.0) -> None:
 
 def tiny_engine(draft: str = "none", *, cfg: MleagleConfig | None = None, chaotic: bool = True,
                 **over: Any) -> Engine:
+    """A chaotic random model; with a draft, at the full depth every iteration (`spec_policy` "always")
+    unless told otherwise, so a speculation test runs what it names."""
+    over.setdefault("spec_policy", "always")
     e = Engine(cfg or tiny_cfg(), draft=draft, **over)
     if chaotic:
         chaos(e)
@@ -58,8 +61,9 @@ def tiny_engine(draft: str = "none", *, cfg: MleagleConfig | None = None, chaoti
 
 @functools.cache
 def smol(draft: str = "none") -> Engine:
-    """SmolLM2 engines shared by the spec test files (each loads in seconds, but not for free)."""
-    return Engine(draft=draft)
+    """SmolLM2 engines shared by the spec test files (each loads in seconds, but not for free), at the
+    full depth every iteration."""
+    return Engine(draft=draft, spec_policy="always")
 
 
 def greedy(n: int, **kw: Any) -> SamplingParams:
@@ -167,6 +171,7 @@ def oracle_engine(draft: str = "none", *, o: Oracle | None = None, vocab: int = 
                   noise: float = 0.0, draft_noise: float = 0.0, tokenizer: str | None = None, **over: Any) -> Engine:
     """The oracle target (draft 'none') or the oracle target with an oracle draft (draft 'random:S...')."""
     cfg = oracle_cfg(vocab, tokenizer=tokenizer)
+    over.setdefault("spec_policy", "always")
     e = Engine(cfg, draft=draft, **over)
     o = o or make_oracle(vocab, cfg.model.arch.hidden_size)  # type: ignore[union-attr]
     set_oracle_target(e, o, head_scale, noise)

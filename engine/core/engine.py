@@ -246,7 +246,9 @@ class Engine:
             from mleagle.engine.spec.build import build_spec_worker  # the speculative path, when asked
             from mleagle.engine.spec.worker import SpecWorker
 
-            kw = {"prefix_cache": self.mem.cache is not None, **kw}  # a reference worker may refuse the cache
+            e = self.cfg.engine
+            kw = {"prefix_cache": self.mem.cache is not None,  # a reference worker may refuse the cache
+                  "policy": e.spec_policy, "catch_up_window": e.spec_catch_up_window, "tp_size": e.tp_size, **kw}
             parts = build_spec_worker(self.cfg.engine, self.arch, self.model, self.target, self.mem,
                                       max_reqs=self.max_reqs, dtype=self.dtype, device=self.device,
                                       eos_ids=frozenset(self.eos_ids), cls=cls or SpecWorker, **kw)
@@ -316,6 +318,8 @@ class Engine:
             self.scheduler.abort(msg[1])
         elif msg[0] == "reset_cache":
             self.mem.reset_cache()
+        elif msg[0] == "spec_cost":  # rank 0's iteration timings: every rank's policy learns the same
+            self.worker.policy.apply_published(msg[1])  # type: ignore[attr-defined]
         else:
             raise ValueError(f"unknown control message {msg[0]!r}")
 
@@ -325,6 +329,12 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         outs = self.scheduler.step()
+        policy = getattr(self.worker, "policy", None)
+        if policy is not None and policy.publish and self.control is not None:
+            timed = policy.take_published()  # rank 0's only; a follower's are dropped
+            if timed and self.tp.rank == 0:
+                policy.apply_published(timed)
+                self.control.submit(("spec_cost", timed))
         report = self.scheduler.report
         report.added, self._added = self._added, []
         self.last_report = report

@@ -19,7 +19,8 @@ no abort, memory for every running request — the scheduler launches step N+1 b
 so the host's bookkeeping of N (stop checks, deltas, events) runs while the GPU computes N+1. A request
 that N finishes is then also in N+1: its results there are dropped (its epoch changed) and it is
 released at once (the device runs N+1 before anything queued later can reuse its slots). Anything else
-— admission, preemption, an abort — first drains the step in flight.
+— admission, preemption, an abort, an iteration whose draft layers must first catch up (its host
+description needs the lengths step N sets) — first drains the step in flight.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class StepReport:
     """What one step did, in host values, for whoever observes the engine (telemetry, benchmarks):
     the mode, its forwards (the prefill's, or those of the decode iteration whose results this step
     applied), that iteration (its counts and why it did not replay the whole-iteration graph), the
-    prompt tokens prefilled, the requests added since the last step, and the step's host time."""
+    prompt tokens prefilled, the requests added since the last step, and the step's host time. The
+    iteration's plan (`finished.plan`: its draft depth, the speculation policy's reason and predicted
+    gain, the requests that caught up first) rides on `finished`."""
 
     step: int = 0
     mode: str = "IDLE"  # EXTEND | DECODE | IDLE
@@ -114,7 +117,11 @@ class Scheduler:
             if self.overlap and not aborts and not self._want_prefill() and not self._constrained():
                 reqs = self._decode_ready(self.worker.lookahead * 2)
                 if reqs:
-                    nxt = self.worker.launch(reqs)
+                    plan = self.worker.plan(reqs)
+                    if plan.catch_up:  # the draft layers' catch-up reads host lengths: after this finish
+                        self.worker.hold(plan)
+                    else:
+                        nxt = self.worker.launch(reqs, plan)
             done, self.inflight = self.inflight, nxt
             results = list(zip(done.reqs, self.worker.finish(done)))
             rep.mode, rep.finished, rep.forwards = "DECODE", done, done.forwards

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool tokens (default: fits the largest batch)")
     p.add_argument("--draft", default=None, help="PATH | random:S[:seed] | none")
     p.add_argument("--spec-steps", type=int, default=None)
+    p.add_argument("--spec-policy", choices=["auto", "always", "off", "cycle"], default=None,
+                   help="draft steps per iteration: auto (0..S, whatever pays; default), always (S), off (0)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                    help="auto: triton on CUDA, torch on the CPU")
     add_tp_args(p)
@@ -361,7 +363,7 @@ def run(a: argparse.Namespace) -> int:
     need = sum(sorted((len(p) for p in prompts_all), reverse=True)[: max(sizes)]) + max(sizes) * (a.max_new_tokens + 16)
     over: dict[str, Any] = {"dtype": a.dtype, "device": a.device, "max_total_tokens": a.max_total_tokens or need + 64,
                             "max_running_requests": max(max(sizes), cfg.engine.max_running_requests)}
-    for k in ("draft", "spec_steps", "threads", "attention_backend"):
+    for k in ("draft", "spec_steps", "spec_policy", "threads", "attention_backend"):
         if getattr(a, k) is not None:
             over[k] = getattr(a, k)
     if a.disable_prefix_cache:
@@ -384,7 +386,8 @@ def run(a: argparse.Namespace) -> int:
     report["draft"] = a.draft if a.draft is not None else (
         cfg.model.default_draft if engine.cfg.engine.draft not in ("", "none") else "none")
     if engine.cfg.engine.draft not in ("", "none") and tp == 1:
-        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps")}, draft="none")
+        target = Engine(cfg, **{k: v for k, v in over.items() if k not in ("draft", "spec_steps", "spec_policy")},
+                        draft="none")
     report["engine_load_s"] = round(engine.load_time_s, 3)
     report["weights"] = weight_report(engine)
     kv, kv_ptrs = kv_report(engine)

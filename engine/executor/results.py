@@ -82,6 +82,19 @@ class FwdInfo:
 
 
 @dataclass
+class StepPlan:
+    """What the next decode iteration runs, decided before its launch: the draft depth S' (0 for a
+    plain decode step, the only depth of a target-only worker), why (the speculation policy's
+    reason), its predicted gain over depth 0 (0.0: none), and the requests whose draft layers must
+    catch up first (a host-described forward: the launch needs no iteration in flight)."""
+
+    depth: int = 0
+    reason: str = ""
+    predicted_gain: float = 0.0
+    catch_up: list[Req] = field(default_factory=list)
+
+
+@dataclass
 class Pending:
     """An iteration launched on the device whose results are still on their way back."""
 
@@ -94,6 +107,7 @@ class Pending:
     epoch: list[int]  # each request's epoch at launch: a request preempted since gets no results
     forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
     iteration_miss: str | None = None  # why the whole-iteration graph did not run it (None: it did)
+    plan: StepPlan = field(default_factory=StepPlan)  # its depth and why
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ into the model — `forward`, `forward_eager`, a graph replay, a graph capture (
 `forward_eager` on the graph runner's buffers) — refuses a batch that carries a different binding
 (`check_binding`). There is no shared "current pool" anywhere, so a draft step cannot silently read or
 write another step's KV. Runners know nothing of speculation: the speculative worker composes them. A
-runner may own graphs (a `GraphRunner`, set by its worker's capture): `forward` replays a captured
+runner may own graphs (`GraphRunner`s, set by its worker's capture: the full-depth iteration's shape
+in `graphs`, the speculation policy's shallower ones in `more_graphs`): `forward` replays a captured
 graph when the batch fits one and runs eagerly otherwise, counting every eager forward by its reason.
 Under tensor parallelism an eager forward stamps the batch with the row-count rule's per-rank counts
 (`row_meta`) before the model runs, so every gather of the forward is sized by the rule.
@@ -64,7 +65,8 @@ class ModelRunner:
         self.num_forwards = 0
         # Called after every forward with (runner, batch, output): the engine process's telemetry hook.
         self.observer: Callable[[ModelRunner, ForwardBatch, ForwardOutput], None] | None = None
-        self.graphs: Graphs | None = None
+        self.graphs: Graphs | None = None  # the full-depth iteration's shape (what telemetry shows)
+        self.more_graphs: list[Graphs] = []  # other shapes: the shallower iterations of the spec policy
         self.no_graph_reason = "cpu" if kv_pool.k[0].device.type == "cpu" else "disabled"
         self.eager: Counter[str] = Counter()  # eager forwards by why no graph ran
 
@@ -103,11 +105,13 @@ class ModelRunner:
         """Replay a graph where the batch fits one, else run eagerly (and count why)."""
         check_binding(batch, self.binding, f"runner {self.name}")
         why = self.graphs.fits(batch) if self.graphs is not None else self.no_graph_reason
+        g = self.graphs
         if why is not None:
-            self.eager[why] += 1
+            g = next((m for m in self.more_graphs if m.fits(batch) is None), None)
+        if g is None:
+            self.eager[why or "shape"] += 1
             return self.forward_eager(batch, reason=why)
-        assert self.graphs is not None
-        res = self.graphs.run(batch)
+        res = g.run(batch)
         self.num_forwards += 1
         if self.observer is not None:
             self.observer(self, batch, res)

@@ -236,7 +236,7 @@ class SlotState:
             # The kernel reads each request's drafts from the table itself: no gather launched for it.
             return greedy_accept(logits, w, rpi, live, sim, self.drafts, self.last_tok, self.n_out, self.kv_len,
                                  self.iters)
-        drafts = self.drafts[rpi]
+        drafts = self.drafts[rpi, : w - 1]  # a shallower iteration verifies the first S' drafts
         s, bs = w - 1, int(rpi.shape[0])
         pred = logits.argmax(-1).view(bs, w)
         n = torch.where(sim >= 0, sim.clamp(max=s), accepted(drafts, pred))

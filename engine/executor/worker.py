@@ -19,6 +19,7 @@ the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,16 @@ from mleagle.engine.executor.forward_batch import (
 )
 from mleagle.engine.executor.graph_runner import GraphRunner
 from mleagle.engine.executor.iteration_graph import IterationGraph
-from mleagle.engine.executor.results import FwdInfo, HostView, Pending, StepResult, Timer, pack, unpack
+from mleagle.engine.executor.results import (
+    FwdInfo,
+    HostView,
+    Pending,
+    StepPlan,
+    StepResult,
+    Timer,
+    pack,
+    unpack,
+)
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import PLAIN, SlotState
 from mleagle.engine.sampling.processor import RowFlags, penalize
@@ -80,7 +90,10 @@ class TargetWorker:
         self.last_batch: ForwardBatch | None = None
         self.inflight = 0  # iterations launched and not yet finished (0 or 1)
         self.forwards: list[FwdInfo] = []  # the last launch's forwards
-        self.iter_graph: IterationGraph | None = None  # whole-iteration graphs (plain greedy batches)
+        # Whole-iteration graphs (plain greedy batches), one set per iteration depth (a speculative
+        # worker's policy may run 0..S draft steps); `depth` is the depth of the iteration being built.
+        self.iter_graphs: dict[int, IterationGraph] = {}
+        self.depth = 0
         self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
         self._ar = torch.arange(128, device=self.device)
@@ -88,6 +101,25 @@ class TargetWorker:
     @property
     def runners(self) -> list[ModelRunner]:
         return [self.target]
+
+    @property
+    def active_runners(self) -> list[ModelRunner]:
+        """The runners an iteration of the current `depth` runs (all of them at full depth)."""
+        return [self.target]
+
+    @property
+    def full_depth(self) -> int:
+        """The deepest iteration (draft steps): 0 here, S for the speculative worker."""
+        return 0
+
+    def graph_depths(self) -> list[int]:
+        """The iteration depths graphs are captured for."""
+        return [self.full_depth]
+
+    @property
+    def iter_graph(self) -> IterationGraph | None:
+        """The full-depth iteration's graphs (the ones every batch replays unless a policy chose less)."""
+        return self.iter_graphs.get(self.full_depth)
 
     @property
     def width(self) -> int:
@@ -111,7 +143,7 @@ class TargetWorker:
     def iteration_meta(self, pbs: int) -> list[RowMeta]:
         """The rule's row counts of every forward of one iteration at batch size `pbs`."""
         metas = []
-        for r in self.runners:
+        for r in self.active_runners:
             mode, w, pruned = self.graph_mode(r)
             metas.append(r.rule_meta(mode, pbs, w, pruned=pruned))
         return metas
@@ -129,27 +161,45 @@ class TargetWorker:
             return self.graph_report
         buckets = default_buckets(s.max_bs)
         pool = torch.cuda.graph_pool_handle() if cuda else None
-        self._arange(buckets[-1] * self.width)  # grown before any capture, never inside one
+        self._arange(buckets[-1] * (self.full_depth + 1))  # grown before any capture, never inside one
         lines = []
-        for r in self.runners:
-            if cuda and not r.binding.backend.supports_graphs:
-                r.no_graph_reason = f"backend {r.binding.backend.name}"
-                lines.append(f"{r.name}: eager (backend {r.binding.backend.name} cannot be captured)")
-                continue
-            mode, w, pruned = self.graph_mode(r)
-            # A draft-extend graph's input hidden is as wide as its layer reads (fused target features).
-            hidden = int(getattr(r.model, "hidden_in_size", 0))
-            g = GraphRunner(r, mode=mode, width=w, buckets=buckets, hidden_size=hidden, dtype=s.dtype,
-                            pruned=pruned, emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
-            why = self._try_capture(r.name, g.capture, s)
-            if why is not None:
-                r.no_graph_reason = why
-                lines.append(f"{r.name}: eager ({why})")
-                continue
-            r.graphs = g
-            lines.append(f"{r.name}: {mode.value} W={w} buckets {g.buckets[0]}..{g.buckets[-1]} "
-                         f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
-        lines.append(self._capture_iteration(buckets, pool, cuda, s))
+        failed: set[str] = set()
+        # The full depth first: its shapes are each runner's `graphs`, the others' `more_graphs`.
+        depths = sorted(self.graph_depths(), key=lambda d: d != self.full_depth)
+        try:
+            for d in depths:
+                self.depth = d
+                for r in self.active_runners:
+                    if r.name in failed:
+                        continue
+                    if cuda and not r.binding.backend.supports_graphs:
+                        r.no_graph_reason = f"backend {r.binding.backend.name}"
+                        lines.append(f"{r.name}: eager (backend {r.binding.backend.name} cannot be captured)")
+                        failed.add(r.name)
+                        continue
+                    mode, w, pruned = self.graph_mode(r)
+                    have = [g for g in [r.graphs, *r.more_graphs] if g is not None]
+                    if any((g.mode, g.width) == (mode, w) for g in have):
+                        continue
+                    # A draft-extend graph's input hidden is as wide as its layer reads (fused target features).
+                    hidden = int(getattr(r.model, "hidden_in_size", 0))
+                    g = GraphRunner(r, mode=mode, width=w, buckets=buckets, hidden_size=hidden, dtype=s.dtype,
+                                    pruned=pruned, emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
+                    why = self._try_capture(r.name, g.capture, s)
+                    if why is not None:
+                        r.no_graph_reason = why
+                        lines.append(f"{r.name}: eager ({why})")
+                        failed.add(r.name)
+                        continue
+                    if r.graphs is None:
+                        r.graphs = g
+                    else:
+                        r.more_graphs.append(g)
+                    lines.append(f"{r.name}: {mode.value} W={w} buckets {g.buckets[0]}..{g.buckets[-1]} "
+                                 f"({len(g.buckets)}), {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+                lines.append(self._capture_iteration(buckets, pool, cuda, s))
+        finally:
+            self.depth = self.full_depth
         self.graph_report = "cuda graphs" + (" (emulated)" if not cuda else "") + ":\n  " + "\n  ".join(lines)
         log.info(self.graph_report)
         return self.graph_report
@@ -175,18 +225,24 @@ class TargetWorker:
         depends only on the batch, the same everywhere), so the ranks replay one bucket's graph together."""
         if not s.iteration:
             return "iteration: off (iteration_graph = false)"
-        if any(r.graphs is None or r.binding.backend.needs_host_lens for r in self.runners):
+        if any(r.graphs is None or r.binding.backend.needs_host_lens for r in self.active_runners):
             return "iteration: per-forward graphs only"
+        depth = self.depth
 
         def body(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+            self.depth = depth  # captured (and, emulated, replayed) at this depth
             return self._body(rpi, live, PLAIN, self.capture_view(int(rpi.shape[0])), True, None)
 
-        g = IterationGraph(self.iteration_name, body, self.iteration_meta, buckets,
+        def meta(pbs: int) -> list[RowMeta]:
+            self.depth = depth
+            return self.iteration_meta(pbs)
+
+        g = IterationGraph(self.iteration_name, body, meta, buckets,
                            self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
         why = self._try_capture("the whole iteration", g.capture, s)
         if why is not None:
             return f"iteration: per-forward graphs only ({why})"
-        self.iter_graph = g
+        self.iter_graphs[depth] = g
         return (f"iteration ({self.iteration_name}): buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), "
                 f"{g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
 
@@ -261,6 +317,10 @@ class TargetWorker:
         if flags.plain:
             return x_raw.argmax(-1)
         rows = self.state.rows(rpi, 1, flags)
+        # One token per request: the key's iteration field is 0, as target-only decoding's always is, so a
+        # speculative worker's plain decode step (depth 0) draws what target-only would (a seeded request
+        # keeps its tape). Each output position is drawn once, so no key is used twice.
+        rows = dataclasses.replace(rows, it=torch.zeros_like(rows.it))
         x = penalize(x_raw, rows, *self.state.context(rpi, flags))
         return sample(x, rows)[0]
 
@@ -300,7 +360,7 @@ class TargetWorker:
 
     def iteration_miss(self, flags: RowFlags, bs: int) -> str | None:
         """Why a batch cannot replay the whole-iteration graph (None: it can)."""
-        g = self.iter_graph
+        g = self.iter_graphs.get(self.depth)
         if g is None:
             return "no iteration graph"
         if flags.constrained:
@@ -317,15 +377,23 @@ class TargetWorker:
         """The forwards a whole-iteration replay ran (no runner observed them), by the rule."""
         bs, rids = len(reqs), tuple(r.rid for r in reqs)
         out = []
-        for r in self.runners:
+        for r in self.active_runners:
             mode, w, pruned = self.graph_mode(r)
             out.append(FwdInfo(r.name, mode.value, bs, rids, [w] * bs, bs * w, pbs, None,
                                r.rule_meta(mode, bs, w, pruned=pruned)))
         return out
 
-    def launch(self, reqs: list[Req]) -> Pending:
+    def plan(self, reqs: list[Req]) -> StepPlan:
+        """What the next iteration over `reqs` runs (a target-only worker has one choice)."""
+        return StepPlan()
+
+    def hold(self, plan: StepPlan) -> None:
+        """Keep a plan that could not launch yet for the next launch (nothing to keep here)."""
+
+    def launch(self, reqs: list[Req], plan: StepPlan | None = None) -> Pending:
         """Start one decode iteration on the device: a whole-iteration replay, or the body with each
         forward on its runner's graph or eager. Returns with the result copy on its way."""
+        plan = plan if plan is not None else self.plan(reqs)
         bs = len(reqs)
         timer = Timer(self.device)
         timer.mark()
@@ -334,14 +402,13 @@ class TargetWorker:
         flags = self.constrain.begin(reqs, flags)  # constrain: constrained batches are never `plain`
         why = self.iteration_miss(flags, bs)
         if why is None:
-            assert self.iter_graph is not None
-            packed, pbs = self.iter_graph.run(rpi, bs)
+            packed, pbs = self.iter_graphs[self.depth].run(rpi, bs)
             self.forwards = self.replay_forwards(reqs, pbs)
             timer.mark()  # one span: the whole iteration (nothing is timed inside a graph)
         else:
             packed, _ = self._body(rpi, None, flags, self.host_view(reqs), False, timer)
         p = self._send(reqs, self.width, flags, packed, timer)
-        p.iteration_miss = why
+        p.iteration_miss, p.plan = why, plan
         return p
 
     def _forward(self, r: ModelRunner, batch: ForwardBatch, eager: bool) -> ForwardOutput:
@@ -364,6 +431,7 @@ class TargetWorker:
         self.forwards = []
         out = self._forward(self.target, batch, eager)
         self.last_batch = batch
+        self._keep_hidden(rpi, batch, out)
         tok = self._sample(out.logits, rpi, flags)
         lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
@@ -373,6 +441,10 @@ class TargetWorker:
         if timer is not None:
             timer.mark()
         return pack(tok.view(-1, 1), one, lp, 1), [self.target.row_meta(batch)]
+
+    def _keep_hidden(self, rpi: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
+        """A decode step's target hidden states, for a speculative worker whose draft layers will catch
+        up on these positions (nothing to keep here)."""
 
     def _arange(self, n: int) -> torch.Tensor:
         """0..n-1 on the device, grown (outside any capture) and then sliced, never allocated per step."""
@@ -418,8 +490,11 @@ class TargetWorker:
             r.num_forwards = 0
             if r.graphs is not None:
                 r.graphs.stats.replays.clear()
-        if self.iter_graph is not None:
-            self.iter_graph.stats.replays.clear()
+        for g in self.iter_graphs.values():
+            g.stats.replays.clear()
+        for r in self.runners:
+            for m in r.more_graphs:
+                m.stats.replays.clear()
 
     def decode(self, reqs: list[Req]) -> list[StepResult]:
         return self.finish(self.launch(reqs))

@@ -12,7 +12,8 @@ to run with the cache on; and its iterations never replay the whole-iteration gr
 
 `ForcedAcceptSpecWorker` makes every iteration accept a fixed number of drafts (accept length n+1),
 so the speed of speculation can be measured before a draft that earns it exists. Output is then not
-the target's; every figure made with it must be labelled "simulated". The count is a device scalar
+the target's; every figure made with it must be labelled "simulated". Both run the full depth S
+every iteration (speculation policy `always`). The count is a device scalar
 read inside the captured graphs too.
 """
 
@@ -25,7 +26,7 @@ import torch
 from mleagle.engine.core.request import Req
 from mleagle.engine.errors import EngineInputError
 from mleagle.engine.executor.forward_batch import ForwardBatch, RowMeta
-from mleagle.engine.executor.results import Pending, Timer
+from mleagle.engine.executor.results import Pending, StepPlan, Timer
 from mleagle.engine.executor.worker import GraphSettings
 from mleagle.engine.sampling.processor import RowFlags
 from mleagle.engine.spec.worker import SpecWorker
@@ -40,7 +41,7 @@ class RecomputeSpecWorker(SpecWorker):
             raise EngineInputError("the recompute boundary-KV reference needs the prefix cache off "
                                    "(enable_prefix_cache=false): a cache hit has no target hidden states to "
                                    "re-run the draft layers from")
-        super().__init__(*args, **kw)
+        super().__init__(*args, **{**kw, "policy": "always"})  # it measures the full depth
         self._hidden: torch.Tensor | None = None
 
     def capture_graphs(self, s: GraphSettings) -> str:
@@ -59,8 +60,8 @@ class RecomputeSpecWorker(SpecWorker):
         self._hidden = target_hidden  # the draft layers run in `launch`, over every committed position
         return []
 
-    def launch(self, reqs: list[Req]) -> Pending:
-        p = super().launch(reqs)
+    def launch(self, reqs: list[Req], plan: StepPlan | None = None) -> Pending:
+        p = super().launch(reqs, plan)
         if p.done is not None:
             p.done.synchronize()
         assert self._hidden is not None
@@ -83,7 +84,7 @@ class RecomputeSpecWorker(SpecWorker):
     def _layer_spans(self, spans: list[float]) -> list[float]:
         return [sum(spans[1:]) / self.steps] * self.steps  # one span for the whole recompute pass
 
-    def stale_positions(self, n: int) -> int:
+    def stale_positions(self, n: int, depth: int | None = None) -> int:
         return 0  # every draft position is recomputed from committed tokens
 
 
@@ -91,7 +92,7 @@ class ForcedAcceptSpecWorker(SpecWorker):
     """Every iteration accepts `accept` drafts (see the module docstring)."""
 
     def __init__(self, *args: Any, accept: int = 0, **kw: Any):
-        super().__init__(*args, **kw)
+        super().__init__(*args, **{**kw, "policy": "always"})  # it measures the full depth
         self._accept_n = torch.full((), max(0, min(accept, self.steps)), dtype=torch.int64, device=self.device)
 
     def _forced(self) -> torch.Tensor | None:

@@ -39,6 +39,7 @@ that recomputes them, and the forced acceptance benchmarks use, are subclasses i
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -46,8 +47,14 @@ import torch
 
 from mleagle.engine.contract.outputs import SpecStats
 from mleagle.engine.core.request import Req
-from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, RowMeta, build_batch
-from mleagle.engine.executor.results import FwdInfo, HostView, Pending, StepResult, Timer, pack
+from mleagle.engine.executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    ForwardOutput,
+    RowMeta,
+    build_batch,
+)
+from mleagle.engine.executor.results import FwdInfo, HostView, Pending, StepPlan, StepResult, Timer, pack
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import accepted, rotate
 from mleagle.engine.executor.worker import TargetWorker
@@ -55,12 +62,17 @@ from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
 from mleagle.engine.spec.draft_model import MTPLayer
+from mleagle.engine.spec.policy import SpecPolicy
 
 
 @dataclass
 class DraftState:
     hidden_stash: list[torch.Tensor] = field(default_factory=list)  # target hidden per prefill chunk
     start: int = 0  # first position the stash covers (a prefix-cache hit's length; 0 without one)
+    # After the draft prefill: every draft layer's KV is computed below `valid`, and the first `depth`
+    # layers' up to kv_len (iterations of fewer draft steps leave the others behind; see `catch_up`).
+    valid: int = 0
+    depth: int = 0
 
 
 @dataclass
@@ -77,7 +89,8 @@ class IterationStats:
 class SpecWorker(TargetWorker):
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(), vocab: int = 0,
-                 max_reqs: int = 0, prefix_cache: bool = False):
+                 max_reqs: int = 0, prefix_cache: bool = False, policy: str = "always", catch_up_window: int = 64,
+                 tp_size: int = 1):
         # `prefix_cache` (whether the engine keeps one) is told to every worker class: this one serves
         # with or without it, a measuring subclass may refuse it.
         if not 1 <= steps <= len(drafts):
@@ -86,6 +99,21 @@ class SpecWorker(TargetWorker):
         self.drafts = drafts[:steps]
         self.chain, self.steps = chain, steps
         self.lookahead = steps + 1
+        self.depth = steps
+        self.policy = SpecPolicy(policy, steps, publish=tp_size > 1)
+        self.drafting = policy != "off"  # off: the draft layers never run, not even at prefill
+        # Depths below S leave draft layers behind; their catch-up reads the target's hidden states of
+        # the positions decoded meanwhile from this ring (per request slot, position mod the window).
+        if catch_up_window < 2 * self.lookahead:
+            raise ValueError(f"catch_up_window {catch_up_window} must be at least {2 * self.lookahead} (2·(S+1))")
+        self.window = catch_up_window
+        self.hstash: torch.Tensor | None = None
+        if policy in ("auto", "cycle"):
+            layer0 = self._layer(0)
+            self.hstash = torch.zeros(self.state.pad_row + 1, self.window, layer0.hidden_in_size,
+                                      dtype=next(layer0.parameters()).dtype, device=self.device)
+        self._held: StepPlan | None = None  # a plan the scheduler could not launch overlapped (see `hold`)
+        self._last_done: float | None = None  # when the last iteration finished (the policy's clock)
         self.stats = SpecStats(accepted_per_depth=[0] * steps)
         self.last = IterationStats()
         self.boundary_kv_stale_positions = 0
@@ -97,8 +125,23 @@ class SpecWorker(TargetWorker):
         return [self.target, *self.drafts]
 
     @property
+    def active_runners(self) -> list[ModelRunner]:
+        return [self.target, *self.drafts[: self.depth]]
+
+    @property
+    def full_depth(self) -> int:
+        return self.steps
+
+    def graph_depths(self) -> list[int]:
+        """Every depth the policy may choose: 0..S under `auto` and `cycle`, else its one depth."""
+        if self.policy.mode in ("auto", "cycle"):
+            return list(range(self.steps + 1))
+        return [self.steps if self.drafting else 0]
+
+    @property
     def width(self) -> int:
-        return self.steps + 1
+        """Token rows per request in the iteration being built (S'+1; 1 at depth 0, a plain decode)."""
+        return self.depth + 1
 
     @property
     def prefix_margin(self) -> int:
@@ -108,13 +151,17 @@ class SpecWorker(TargetWorker):
         return self.steps
 
     def graph_mode(self, r: ModelRunner) -> tuple[ForwardMode, int, bool]:
+        if self.depth == 0:
+            return ForwardMode.DECODE, 1, False
         if r is self.target:
             return ForwardMode.TARGET_VERIFY, self.width, False
         return ForwardMode.DRAFT_EXTEND, self.width, True
 
     @property
     def iteration_name(self) -> str:
-        return f"verify + accept + {self.steps} draft steps"
+        if self.depth == 0:
+            return "decode + sample (depth 0)"
+        return f"verify + accept + {self.depth} draft steps"
 
     def _layer(self, k: int) -> MTPLayer:
         """Draft step k's layer (its runner's model)."""
@@ -140,6 +187,11 @@ class SpecWorker(TargetWorker):
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
         done = [i for i, r in enumerate(reqs) if not r.prefilling]
+        self._last_done = None  # the next iteration's interval holds this prefill
+        if not self.drafting:  # policy off: the draft layers never run
+            for i in done:
+                reqs[i].draft_state.hidden_stash = []
+            return results
         if done:
             timer = Timer(self.device)
             timer.mark()
@@ -157,11 +209,20 @@ class SpecWorker(TargetWorker):
         the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
         starts = [r.draft_state.start for r in reqs]
         lens = [r.kv_len - st for r, st in zip(reqs, starts)]
+        target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
+        self._after_draft_prefill(reqs, lens)
+        self._draft_fill(reqs, starts, lens, bonus, target_hidden)
+
+    def _draft_fill(self, reqs: list[Req], starts: list[int], lens: list[int], bonus: list[int],
+                    target_hidden: torch.Tensor) -> None:
+        """Every draft layer over positions [start, start+len) of each request, from the target's hidden
+        states there (`target_hidden`, the requests' rows in order), then the first drafts: a prefill's
+        or a catch-up's. Afterwards every layer's KV is current to kv_len."""
+        for r in reqs:
+            r.draft_state.valid, r.draft_state.depth = r.kv_len, self.steps
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
                            prefix_lens=starts, extend_lens=lens, req_to_token=self.r2t, device=self.device,
                            rids=tuple(r.rid for r in reqs))
-        target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
-        self._after_draft_prefill(reqs, lens)
         # Token windows on the device: request i's positions start_i..kv_len_i-1 and its bonus form `seq`
         # (lens_i + 1 entries); layer k at position p reads t_{p+k+1}, from `seq` while that is at most
         # the bonus, else draft number (p+k+1 - kv_len) made by an earlier layer (`tail`).
@@ -220,21 +281,102 @@ class SpecWorker(TargetWorker):
         st.set_drafts(rpi, k, d, live)
         return d
 
+    # --- the depth of each iteration (the speculation policy) and the draft layers' catch-up ---------
+    def plan(self, reqs: list[Req]) -> StepPlan:
+        """The policy's depth for an iteration over `reqs`, and who must catch up before it: a request
+        whose first S' layers are not current, or whose positions since its draft KV was last complete
+        would overflow the hidden-state ring before the next launch."""
+        if self._held is not None:
+            return self._held
+        d = self.policy.choose(len(reqs), any(r.constraint is not None for r in reqs))
+        return StepPlan(d.depth, d.reason, d.predicted_gain, self._behind(reqs, d.depth))
+
+    def hold(self, plan: StepPlan) -> None:
+        """Keep a plan the scheduler did not launch (it needs a catch-up, so no iteration in flight): the
+        next launch runs it, so the policy is asked once per iteration."""
+        self._held = plan
+
+    def _behind(self, reqs: list[Req], depth: int) -> list[Req]:
+        if not self.drafting:
+            return []
+        la = (self.inflight + 1) * self.lookahead  # positions the iteration in flight and this one may add
+        return [r for r in reqs if r.draft_state is not None and r.draft_state.depth < self.steps
+                and (r.draft_state.depth < depth or r.kv_len + la - r.draft_state.valid > self.window)]
+
+    def launch(self, reqs: list[Req], plan: StepPlan | None = None) -> Pending:
+        plan = plan if plan is not None else self.plan(reqs)
+        self._held = None
+        catch = self._behind(reqs, plan.depth)
+        if catch:
+            self.catch_up(catch)
+        self.depth = plan.depth
+        for r in reqs:
+            if r.draft_state is not None:
+                r.draft_state.depth = min(r.draft_state.depth, plan.depth)
+        p = super().launch(reqs, plan)
+        p.plan = dataclasses.replace(plan, catch_up=catch)
+        return p
+
+    def catch_up(self, reqs: list[Req]) -> None:
+        """Bring every draft layer of `reqs` current: one batched draft extend over the positions decoded
+        since their draft KV was last complete ([valid, kv_len)), from the target hidden states the
+        shallower iterations kept in the ring, exactly as a prefill fills the draft pools (and, like
+        one, making the first drafts). Host-described: no iteration may be in flight."""
+        if self.inflight:
+            raise RuntimeError("a draft catch-up needs the host's KV lengths: finish the iteration in flight first")
+        assert self.hstash is not None
+        todo = [r for r in reqs if r.kv_len > r.draft_state.valid]
+        for r in reqs:
+            if r not in todo:  # nothing decoded since: its layers are current
+                r.draft_state.depth = self.steps
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        starts = [r.draft_state.valid for r in todo]
+        lens = [r.kv_len - v for r, v in zip(todo, starts)]
+        slot = torch.tensor([r.req_pool_idx for r, n in zip(todo, lens) for _ in range(n)], dtype=torch.int64)  # type: ignore[misc]
+        pos = torch.tensor([p % self.window for v, n in zip(starts, lens) for p in range(v, v + n)], dtype=torch.int64)
+        hidden = self.hstash[slot.to(self.device), pos.to(self.device)]
+        self._draft_fill(todo, starts, lens, [r.fill_ids[r.kv_len] for r in todo], hidden)
+        st = self.policy.stats
+        st.catch_ups += 1
+        st.catch_up_positions += sum(lens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a measurement, and the catch-up is a sync point anyway
+        st.catch_up_s += time.perf_counter() - t0
+        self._last_done = None  # the next iteration's interval holds this catch-up
+
+    def _keep_hidden(self, rpi: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
+        """A shallower iteration's target hidden states (every row of its verify, or its decode rows),
+        at position mod the window of each request's ring row: a later catch-up reads those it
+        committed. Padded rows write the pad row's ring."""
+        if self.hstash is None:
+            return
+        w = batch.width
+        rows = rpi.view(-1, 1).expand(-1, w).reshape(-1)
+        h = out.hidden if out.hidden.shape[0] == rows.shape[0] else out.hidden[: rows.shape[0]]
+        self.hstash[rows, batch.positions % self.window] = h.to(self.hstash.dtype)
+
     # --- decode iteration ----------------------------------------------------------------------
     def _body(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView, eager: bool,
               timer: Timer | None) -> tuple[torch.Tensor, list[RowMeta]]:
-        """Verify, accept, commit and draft-extend on the device; returns (packed result, each forward's
-        row metadata). `eager` runs every forward eagerly (inside a whole-iteration capture); `live`
-        masks padded rows out of every state write."""
+        """Verify, accept, commit and draft-extend on the device, at the iteration's depth S' (`depth`;
+        0 is the target-only decode step); returns (packed result, each forward's row metadata).
+        `eager` runs every forward eagerly (inside a whole-iteration capture); `live` masks padded rows
+        out of every state write."""
+        if self.depth == 0:
+            return super()._body(rpi, live, flags, host, eager, timer)
         st = self.state
         w, bs = self.width, int(rpi.shape[0])
-        drafts = st.drafts[rpi]  # [bs, S]
+        drafts = st.drafts[rpi][:, : self.depth]  # [bs, S']
         ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
         view = self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host)
         vb = self.target.bind(view)
         self.forwards = []
         out = self._forward(self.target, vb, eager)
         self.last_batch = vb
+        if self.depth < self.steps:
+            self._keep_hidden(rpi, vb, out)
         metas = [self.target.row_meta(vb)]
         if flags.plain and flags.logprobs < 0:  # the common case: fused accept + commit + pack on CUDA
             emitted, n, packed, sel = st.verify_greedy(out.logits, w, rpi, live, self._forced())
@@ -292,7 +434,7 @@ class SpecWorker(TargetWorker):
         st = self.state
         p = probs_from_logits(x, rows).view(bs, w, v)
         assert st.draft_q is not None
-        q = st.draft_q[rpi]  # [bs, S, V]
+        q = st.draft_q[rpi][:, :s]  # [bs, S', V]
         pd = p[:, :s].gather(2, drafts.unsqueeze(-1)).squeeze(-1)
         qd = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)
         u = self._accept_uniform(rows, bs, w)
@@ -347,7 +489,7 @@ class SpecWorker(TargetWorker):
         ids = emitted  # layer 0 at row j reads t_{kv_len+j+1}: the emitted tokens, the target's guesses after
         rows = None if flags.all_greedy else self.state.rows(rpi, 1, flags)
         metas = []
-        for k, runner in enumerate(self.drafts):
+        for k, runner in enumerate(self.drafts[: self.depth]):
             b = dataclasses.replace(view, input_ids=ids.reshape(-1), hidden_in=h, binding=runner.binding)
             o = self._forward(runner, b, eager)
             metas.append(runner.row_meta(b))
@@ -370,20 +512,33 @@ class SpecWorker(TargetWorker):
         """Each draft step's time from an iteration's timer spans (verify first, then one per step)."""
         return spans[1:]
 
-    def stale_positions(self, n: int) -> int:
+    def stale_positions(self, n: int, depth: int | None = None) -> int:
         """Boundary KV left stale by an iteration that accepted n drafts: layer k at position p reads
         t_{p+k+1}, so of the n+1 committed rows (0..n), rows n-k+1..n read tokens not yet verified (new
-        drafts): min(k, n+1) positions per layer."""
-        return sum(min(k, n + 1) for k in range(self.steps))
+        drafts): min(k, n+1) positions per layer that ran (the first `depth`, all S by default)."""
+        return sum(min(k, n + 1) for k in range(self.steps if depth is None else depth))
 
     def on_finish(self, p: Pending, res: list[StepResult]) -> None:
         """Host accounting once the iteration's counts are back: per request and global statistics."""
         rows = p.packed.tolist()
         acc = [int(row[p.width]) - 1 for row in rows]
-        spans = p.timer.spans()
+        depth = p.width - 1
+        now = time.perf_counter()
+        # The policy's clock: the wall time between two iterations' ends with nothing else between them
+        # (in overlap the device time of this one, else its launch, forwards and the host's bookkeeping).
+        dt = now - self._last_done if self._last_done is not None else None
+        self._last_done = now
+        self.policy.observe(len(p.reqs), depth, [a for a, out in zip(acc, res) if out.tokens], dt)
+        if depth == self.steps:  # every draft layer ran over the committed positions
+            for r, out in zip(p.reqs, res):
+                if out.tokens and r.draft_state is not None:
+                    r.draft_state.valid = r.kv_len
         for t in self._prefill_timers:  # recorded before this iteration's sync: complete now
             self.stats.draft_time_s += sum(t.spans())
         self._prefill_timers.clear()
+        if depth == 0:  # a plain decode step: nothing drafted, nothing to count as speculation
+            return
+        spans = p.timer.spans()
         verify_s = spans[0] if spans else 0.0
         layer = self._layer_spans(spans)
         draft_s = sum(layer)
@@ -400,23 +555,31 @@ class SpecWorker(TargetWorker):
                 r.spec = SpecStats(accepted_per_depth=[0] * s)
             sp = r.spec
             sp.num_verify += 1
-            sp.num_draft_tokens += s
+            sp.num_draft_tokens += depth
             sp.num_accepted_tokens += n
             sp.verify_time_s += verify_s / len(p.reqs)
             sp.draft_time_s += draft_s / len(p.reqs)
-            self.stats.num_draft_tokens += s
+            self.stats.num_draft_tokens += depth
             self.stats.num_accepted_tokens += n
             for j in range(n):
                 sp.accepted_per_depth[j] += 1
                 self.stats.accepted_per_depth[j] += 1
-            self.boundary_kv_stale_positions += self.stale_positions(n)
+            self.boundary_kv_stale_positions += self.stale_positions(n, depth)
 
     def reset_counters(self) -> None:
         super().reset_counters()
         self.stats = SpecStats(accepted_per_depth=[0] * self.steps)
         self.boundary_kv_stale_positions = 0
+        self.policy.reset()
+        self._last_done = None
 
     def kv_valid_len(self, req: Req) -> int:
         """Draft pools are filled when a request's prefill completes: until then only its cached prefix
-        is valid in every runner. After that every committed position is (stale policy: as written)."""
-        return req.cached_len if req.prefilling else req.kv_len
+        is valid in every runner. After that every position below the draft layers' `valid` is (stale
+        policy: as written); positions decoded by shallower iterations since are not, until a catch-up.
+        With the policy off the draft pools are never read: the target's KV is all there is."""
+        if req.prefilling:
+            return req.cached_len
+        if not self.drafting or req.draft_state is None:
+            return req.kv_len
+        return min(req.kv_len, req.draft_state.valid)

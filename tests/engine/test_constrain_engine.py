@@ -235,12 +235,12 @@ def test_overlap_is_off_while_a_constrained_request_runs(draft: str, monkeypatch
     launched_inflight: list[bool] = []
     orig = type(e.worker).launch
 
-    def spy(self, reqs):  # type: ignore[no-untyped-def]
+    def spy(self, reqs, plan=None):  # type: ignore[no-untyped-def]
         # Launched over a step in flight: fine for free requests alone, never with a constrained one.
         over = e.scheduler.inflight is not None
         launched_inflight.append(over)
         assert not (over and any(r.constraint is not None for r in reqs))
-        return orig(self, reqs)
+        return orig(self, reqs, plan)
 
     monkeypatch.setattr(type(e.worker), "launch", spy)
     out = e.generate([p for p, _ in CASES], _params())

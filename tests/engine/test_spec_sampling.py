@@ -29,9 +29,9 @@ PROMPT = [1, 2, 3]
 N = 2000
 
 
-def _engine(draft: str) -> Engine:
+def _engine(draft: str, policy: str = "always") -> Engine:
     cfg = tiny_cfg("v12", vocab=V, hidden=32, layers=2, heads=4, kv=2, inter=64, seed=3)
-    e = Engine(cfg, draft=draft, max_running_requests=256, max_total_tokens=8192)
+    e = Engine(cfg, draft=draft, max_running_requests=256, max_total_tokens=8192, spec_policy=policy)
     chaos(e, head=12.0)
     return e
 
@@ -81,10 +81,10 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def _sample(draft: str, sp: SamplingParams, seeded: bool = True) -> tuple[torch.Tensor, Engine]:
+def _sample(draft: str, sp: SamplingParams, seeded: bool = True, policy: str = "always") -> tuple[torch.Tensor, Engine]:
     """N requests of the prompt; `seeded`: each brings its own seed (the coupled path), else the engine
     seeds them (the rejection-sampling path)."""
-    e = _engine(draft)
+    e = _engine(draft, policy)
     params = [sp.model_copy(update={"seed": 1000 + i if seeded else None, "max_new_tokens": 3}) for i in range(N)]
     out = e.generate([PROMPT] * N, params)
     counts = torch.zeros(V, V, dtype=torch.int64)
@@ -113,6 +113,18 @@ def test_speculative_samples_match_target_distribution(sp: SamplingParams, seede
     counts, e = _sample("random:2:4", sp, seeded)
     st = e.worker.stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # both accept and reject paths ran
+    assert _chi2_pvalue(counts, _expected(sp)) > 1e-3
+
+
+@pytest.mark.parametrize(("sp", "seeded"), [(CASES[1], False), (CASES[3], True)], ids=["t0.7-p0.9", "coupled-t1-k5-minp"])
+def test_samples_match_through_depth_switches(sp: SamplingParams, seeded: bool) -> None:
+    """The speculation policy forced to switch depth every iteration (0, 1, 2, 0, ...: plain decode
+    steps, shallow verifies and draft catch-ups in turn), prefix cache on: still the target's
+    distribution, and every pool free afterwards."""
+    counts, e = _sample("random:2:4", sp, seeded, policy="cycle")
+    by_depth = e.worker.policy.stats.iterations_by_depth
+    assert all(n > 0 for n in by_depth) and e.worker.policy.stats.catch_ups > 0
+    assert e.mem.cache is not None and not e.mem.idle_problems()
     assert _chi2_pvalue(counts, _expected(sp)) > 1e-3
 
 
@@ -148,10 +160,12 @@ def test_coupled_always_accept_is_rejected(monkeypatch: pytest.MonkeyPatch) -> N
     assert _chi2_pvalue(counts, _expected(sp)) < 1e-6
 
 
-@pytest.mark.parametrize("draft", ["random:2:4", "random:3:1:nochain"])
-def test_seeded_samples_equal_target_only_whatever_the_drafts(draft: str) -> None:
+@pytest.mark.parametrize(("draft", "policy"), [("random:2:4", "always"), ("random:3:1:nochain", "always"),
+                                               ("random:3:1:nochain", "cycle")])
+def test_seeded_samples_equal_target_only_whatever_the_drafts(draft: str, policy: str) -> None:
     """A seeded sampled request gives the target-only tokens exactly: with a draft or without, alone or
-    in a batch with other (seeded, unseeded, greedy) requests, on a prefix-cache miss and a hit."""
+    in a batch with other (seeded, unseeded, greedy) requests, on a prefix-cache miss and a hit, and
+    whatever depth each iteration runs (policy `cycle`: plain decode steps included)."""
     cfg = tiny_cfg()
     sps = [SamplingParams(temperature=0.8, seed=7, max_new_tokens=24),
            SamplingParams(temperature=1.2, top_p=0.9, top_k=20, seed=11, max_new_tokens=20, repetition_penalty=1.1)]
@@ -159,7 +173,7 @@ def test_seeded_samples_equal_target_only_whatever_the_drafts(draft: str) -> Non
     ref = Engine(cfg, draft="none", enable_prefix_cache=False)
     chaos(ref)
     want = [c.token_ids for c in ref.generate(prompts, sps)]
-    e = Engine(cfg, draft=draft)
+    e = Engine(cfg, draft=draft, spec_policy=policy)
     chaos(e)
     alone = [e.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, sps)]  # the second one hits the cache
     assert e.scheduler.prefix_hits > 0

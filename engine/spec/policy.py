@@ -1,0 +1,195 @@
+"""The speculation policy: how many draft steps S' in 0..S the next decode iteration runs.
+
+Speculation pays where verifying W = S'+1 tokens per request costs little more than decoding one (small
+batches, a memory-bound step) and costs where the step is compute-bound (large batches, the CPU), so
+no fixed depth is right for every batch. Before each iteration the policy picks the depth with the most
+expected output tokens per second for the batch as it is: `bs · (1 + a_1 + … + a_S') / cost(bucket,
+S')`, where a_j is the rolling rate at which the j-th draft is accepted (from the engine's own
+counts, an exponential average over iterations that ran depth ≥ j) and cost is the measured wall time
+of one iteration of that depth in the batch's size bucket (`size_bucket`), also a rolling average.
+Depth 0 is a plain decode step (whole-iteration graph included), so the policy can never do worse
+than target-only by more than what it spends measuring: a bucket's depths are each tried twice before
+the policy trusts them (the full depth first, which measures every a_j), the runner-up is tried again
+every `explore_every` iterations of a bucket (costs and acceptance drift with the traffic), and a
+new best depth must beat the current one by `margin` before the policy switches (each switch up
+costs the draft layers a catch-up, see `SpecWorker`).
+
+Modes: `auto` (the above), `always` (depth S, the fixed behaviour), `off` (depth 0, the draft never
+runs; its layers are not even prefilled), and `cycle` (0, 1, …, S, 0, … one per iteration: for tests
+that prove exactness through every switch). A constrained batch runs depth S whatever the mode but
+`off`: its masks are built per draft row.
+
+Under tensor parallelism every rank must pick the same depth, so a rank's own timings are not used:
+rank 0's are queued (`take_published`) and reach every rank, rank 0 included, through the engine's
+control channel (`apply_published`) between steps. The acceptance counts are equal on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+PolicyMode = Literal["auto", "always", "off", "cycle"]
+MODES: tuple[str, ...] = ("auto", "always", "off", "cycle")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One iteration's depth, why, and the predicted gain: expected tokens/s at this depth over depth
+    0's (1.0: equal; 0.0: no prediction, e.g. a fixed mode or a measurement)."""
+
+    depth: int
+    reason: str
+    predicted_gain: float = 0.0
+
+
+def size_bucket(bs: int) -> int:
+    """The batch sizes whose iterations are costed together: each size up to 8 (where a request more
+    or less moves a step's cost most), then steps of about 1.5x (12, 16, 24, 32, 48, ...)."""
+    if bs <= 8:
+        return max(bs, 1)
+    b = 8
+    while b < bs:
+        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return b
+
+
+@dataclass
+class PolicyStats:
+    """What the policy did, for state events, metrics and benchmarks."""
+
+    iterations_by_depth: list[int] = field(default_factory=list)
+    tokens_gained: int = 0  # accepted drafts: tokens beyond one per request-iteration
+    explore_iterations: int = 0
+    switches: int = 0
+    catch_ups: int = 0
+    catch_up_positions: int = 0
+    catch_up_s: float = 0.0
+    choose_s: float = 0.0  # host time spent choosing
+    choose_calls: int = 0
+
+
+class SpecPolicy:
+    def __init__(self, mode: str, steps: int, *, explore_every: int = 64, alpha: float = 0.2,
+                 margin: float = 0.03, min_samples: int = 2, publish: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"spec policy {mode!r}: choose one of {', '.join(MODES)}")
+        self.mode, self.steps = mode, steps
+        self.explore_every, self.alpha, self.margin, self.min_samples = explore_every, alpha, margin, min_samples
+        self.publish = publish  # tensor parallelism: timings travel through the control channel
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
+        self.samples: Counter[tuple[int, int]] = Counter()
+        self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted
+        self.acc_seen = [False] * steps
+        self.current: dict[int, int] = {}  # bucket -> the depth it runs now
+        self.visits: Counter[int] = Counter()
+        self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
+        self.last = Decision(steps if mode != "off" else 0, mode)
+        self._cycle = 0
+        self._unpublished: list[tuple[int, int, float]] = []
+        # The last finished iteration's measured gain: its tokens per second over depth 0's measured
+        # rate in its bucket (0.0 until depth 0 has been measured there).
+        self.measured_gain = 0.0
+
+    # --- choosing ------------------------------------------------------------------------------
+    def tokens(self, depth: int) -> float:
+        """Expected tokens per request from one iteration of `depth`: 1 + a_1 + … + a_depth."""
+        return 1.0 + sum(self.acc[:depth])
+
+    def rate(self, b: int, depth: int) -> float:
+        """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket)."""
+        return self.tokens(depth) / self.cost[(b, depth)]
+
+    def choose(self, bs: int, constrained: bool = False) -> Decision:
+        t0 = time.perf_counter()
+        d = self._choose(bs, constrained)
+        self.stats.choose_s += time.perf_counter() - t0
+        self.stats.choose_calls += 1
+        if d.depth != self.last.depth:
+            self.stats.switches += 1
+        self.last = d
+        return d
+
+    def _choose(self, bs: int, constrained: bool) -> Decision:
+        s = self.steps
+        if self.mode == "off":
+            return Decision(0, "off")
+        if constrained:
+            return Decision(s, "constrained")
+        if self.mode == "always":
+            return Decision(s, "always")
+        if self.mode == "cycle":
+            self._cycle += 1
+            return Decision((self._cycle - 1) % (s + 1), "cycle")
+        b = size_bucket(bs)
+        self.visits[b] += 1
+        for d in [s, 0, *range(1, s)]:  # the full depth first: it measures every acceptance rate
+            if self.samples[(b, d)] < self.min_samples:
+                self.stats.explore_iterations += 1
+                return Decision(d, "explore: not measured yet")
+        rates = {d: self.rate(b, d) for d in range(s + 1)}
+        best = max(rates, key=lambda d: rates[d])
+        cur = self.current.get(b, best)
+        if best != cur and rates[best] < rates[cur] * (1 + self.margin):
+            best = cur  # not clearly better: a switch up costs a catch-up
+        reason = "best" if best == cur else "switch"
+        self.current[b] = best
+        if self.visits[b] % self.explore_every == 0:
+            second = max((d for d in rates if d != best), key=lambda d: rates[d])
+            self.stats.explore_iterations += 1
+            return Decision(second, "explore: runner-up", rates[second] / rates[0])
+        return Decision(best, reason, rates[best] / rates[0])
+
+    # --- learning ------------------------------------------------------------------------------
+    def observe(self, bs: int, depth: int, accepted: list[int], seconds: float | None) -> None:
+        """One finished iteration: its depth, each request's accepted drafts, and its wall time (None
+        where it was not measurable: after a prefill or a catch-up, the interval holds them too)."""
+        self.stats.iterations_by_depth[depth] += 1
+        self.stats.tokens_gained += sum(accepted)
+        base = self.cost.get((size_bucket(bs), 0))
+        if seconds and base and (accepted or not depth):
+            self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
+        if accepted and depth:
+            n = len(accepted)
+            for j in range(depth):
+                x = sum(1 for a in accepted if a > j) / n
+                self.acc[j] = x if not self.acc_seen[j] else (1 - self.alpha) * self.acc[j] + self.alpha * x
+                self.acc_seen[j] = True
+        if seconds is not None and seconds > 0:
+            if self.publish:
+                self._unpublished.append((size_bucket(bs), depth, seconds))
+            else:
+                self._time(size_bucket(bs), depth, seconds)
+
+    def _time(self, b: int, depth: int, seconds: float) -> None:
+        key = (b, depth)
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.samples[key] += 1
+
+    def take_published(self) -> list[tuple[int, int, float]]:
+        """Rank 0: the timings measured since the last call, for every rank's `apply_published`."""
+        out, self._unpublished = self._unpublished, []
+        return out
+
+    def apply_published(self, timings: list[tuple[int, int, float]]) -> None:
+        for b, d, sec in timings:
+            self._time(int(b), int(d), float(sec))
+
+    def reset(self) -> None:
+        """Forget everything learned (the engine's warm-up runs shapes that are not the traffic)."""
+        mode, s = self.mode, self.steps
+        self.__init__(mode, s, explore_every=self.explore_every, alpha=self.alpha,  # type: ignore[misc]
+                      margin=self.margin, min_samples=self.min_samples, publish=self.publish)
+
+    def snapshot(self) -> dict[str, object]:
+        """Host values for events and `/debug`: the mode, the last decision, the rates and costs."""
+        return {
+            "mode": self.mode, "depth": self.last.depth, "reason": self.last.reason,
+            "predicted_gain": self.last.predicted_gain, "measured_gain": self.measured_gain,
+            "acceptance": list(self.acc),
+            "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
+            **{k: v for k, v in vars(self.stats).items()},
+        }

@@ -1,0 +1,192 @@
+"""The speculation policy (issue 23): per-iteration depth S' in 0..S, draft layers that catch up.
+
+Exactness through switches: with the policy forced to change depth every iteration (`cycle`: 0, 1,
+…, S, 0, …) greedy float32 output equals target-only for chain and non-chain drafts, chunked or not,
+on prefix-cache misses and hits, and every pool is free afterwards (the sampling side is in
+test_spec_sampling.py). The catch-up is checked against the draft prefill it must equal: after
+plain decode steps, a catch-up leaves every draft layer's KV where a prefill of the same sequence
+puts it. The oracle draft keeps acceptance 1.0 at every depth through switches, so the drafts a
+catch-up makes are right. The policy itself is checked on made-up costs: it picks the depth with the
+most tokens per second, explores what it has not measured, switches only on a clear gain, and a
+constrained batch always runs the full depth.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.spec.policy import SpecPolicy, size_bucket
+from tests.spec_helpers import all_free, greedy, oracle_engine, run, tiny_engine
+
+PROMPTS = [[1, 2, 3], list(range(5, 16)), [100], [7, 7, 7, 7, 7], list(range(30, 47)), [200, 3, 9, 41, 5, 6, 77, 8, 90]]
+
+
+def _ref(chunk: int) -> list[list[int]]:
+    return run(tiny_engine(chunked_prefill_size=chunk), PROMPTS, greedy(20))
+
+
+@pytest.mark.parametrize(("draft", "chunk"), [("random:3:2", 5), ("random:2:1:nochain", 0), ("random:4:6", 0)])
+def test_cycle_greedy_equals_target_only(draft: str, chunk: int) -> None:
+    ref = _ref(chunk)
+    e = tiny_engine(draft, spec_policy="cycle", chunked_prefill_size=chunk)
+    assert run(e, PROMPTS, greedy(20)) == ref
+    # Again: now every prompt hits the prefix cache the switching left behind.
+    assert run(e, PROMPTS, greedy(20)) == ref
+    st = e.worker.policy.stats
+    assert all(n > 0 for n in st.iterations_by_depth) and st.catch_ups > 0
+    assert e.scheduler.prefix_hits > 0
+    assert all_free(e)
+
+
+def test_off_never_runs_a_draft_and_auto_is_exact() -> None:
+    ref = _ref(5)
+    off = tiny_engine("random:3:2", spec_policy="off", chunked_prefill_size=5)
+    assert run(off, PROMPTS, greedy(20)) == ref
+    assert all(r.num_forwards == 0 for r in off.worker.drafts)
+    assert off.worker.stats.num_verify == 0 and all_free(off)
+    auto = tiny_engine("random:3:2", spec_policy="auto", chunked_prefill_size=5)
+    assert run(auto, PROMPTS, greedy(20)) == ref and all_free(auto)
+
+
+def test_oracle_accepts_everything_at_every_depth_through_switches() -> None:
+    """Acceptance 1.0: the drafts after every catch-up (and every shallow iteration) are the target's."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], list(range(20, 33)), [40]]
+    plain = run(oracle_engine(), prompts, greedy(30))
+    e = oracle_engine("random:3:0:chain", spec_policy="cycle")
+    assert run(e, prompts, greedy(30)) == plain
+    st, pst = e.worker.stats, e.worker.policy.stats
+    assert pst.catch_ups > 0 and all(n > 0 for n in pst.iterations_by_depth)
+    assert st.num_accepted_tokens == st.num_draft_tokens > 0  # every draft of every depth accepted
+    assert e.worker.policy.acc == [1.0, 1.0, 1.0]
+
+
+def _exact_positions(k: int, chain: bool, valid0: int, kv_len: int) -> list[int]:
+    """Positions where draft layer k's KV must be equal after a catch-up and after a prefill of the same
+    tokens. Layer k at p reads t_{p+k+1}: at the first prefill's last k positions that was a draft then
+    (the boundary positions the stale policy keeps), and past the bonus in both it is one. In a chain,
+    layer k also reads layer k-1's output, whose attention sees layer k-1's stale positions: from
+    valid0-(k-1) on, a chain's layer k ≥ 2 legitimately differs."""
+    first = list(range(0, valid0 - k))
+    if chain and k >= 2:
+        return first
+    return first + list(range(valid0, kv_len - k))
+
+
+@pytest.mark.parametrize("draft", ["random:3:2", "random:3:1:nochain"])
+def test_catch_up_equals_prefill(draft: str) -> None:
+    """Decode with plain steps only (the draft layers fall behind), catch up, and compare every draft
+    layer's KV with a fresh engine's draft prefill over the same tokens: equal to float32 rounding at
+    every position whose inputs are the same in both (`_exact_positions`), the catch-up's included."""
+    prompt = list(range(40, 52))
+    n_plain = 9
+    e = tiny_engine(draft, spec_policy="cycle")
+    w = e.worker
+    w.policy.choose = lambda bs, constrained=False: type(w.policy.last)(0, "test")  # type: ignore[method-assign]
+    e.add_request("a", prompt, greedy(64, ignore_eos=True))
+    for _ in range(1 + n_plain):  # the prefill (its draft prefill included), then plain decode steps
+        e.step()
+    req = e.scheduler.reqs["a"]
+    valid0 = req.draft_state.valid
+    assert valid0 == len(prompt) and req.kv_len == len(prompt) + n_plain and req.draft_state.depth == 0
+    w.catch_up([req])
+    assert req.draft_state.valid == req.kv_len and req.draft_state.depth == w.steps
+    seq = req.fill_ids[: req.kv_len]  # the committed tokens; fill_ids[kv_len] is the next input
+
+    ref = tiny_engine(draft, spec_policy="always")
+    ref.add_request("b", seq, greedy(8, ignore_eos=True))
+    # One step: the prefill and its draft prefill (the request runs on: its slots stay held).
+    ref.scheduler.step()
+    rb = ref.scheduler.reqs["b"]
+    assert rb.output_ids[0] == req.fill_ids[req.kv_len]  # the same bonus token (greedy exactness)
+    compared = 0
+    for k, (da, db) in enumerate(zip(w.drafts, ref.worker.drafts)):
+        pos = torch.tensor(_exact_positions(k, w.chain, valid0, req.kv_len))
+        pa = da.binding.req_to_token.req_to_token[req.req_pool_idx, pos]
+        pb = db.binding.req_to_token.req_to_token[rb.req_pool_idx, pos]
+        for layer in range(len(da.binding.kv_pool.k)):
+            torch.testing.assert_close(da.binding.kv_pool.k[layer][pa], db.binding.kv_pool.k[layer][pb], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(da.binding.kv_pool.v[layer][pa], db.binding.kv_pool.v[layer][pb], atol=1e-5, rtol=1e-5)
+        compared += sum(1 for p in pos.tolist() if p >= valid0)
+    assert compared >= n_plain  # the catch-up's own positions were compared
+    assert e.worker.policy.stats.catch_ups == 1
+
+
+def test_constrained_batch_runs_full_depth() -> None:
+    p = SpecPolicy("auto", 3)
+    assert p.choose(4, constrained=True).depth == 3
+    assert SpecPolicy("off", 3).choose(4, constrained=True).depth == 0
+
+
+def _teach(p: SpecPolicy, bs: int, cost: dict[int, float], acc: float) -> None:
+    """Run the policy's exploration with made-up iteration costs and a per-draft acceptance `acc`."""
+    for _ in range(40):
+        d = p.choose(bs)
+        accepted = [min(d.depth, int(acc * d.depth + 0.5))] * bs if d.depth else []
+        p.observe(bs, d.depth, accepted, cost[d.depth])
+
+
+def test_policy_picks_the_most_tokens_per_second() -> None:
+    # Cheap verify (a memory-bound step): speculating to full depth pays.
+    p = SpecPolicy("auto", 3)
+    _teach(p, 1, {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15}, acc=1.0)
+    d = p.choose(1)
+    assert d.depth == 3 and d.predicted_gain > 3.0
+    # Compute-bound: each verified row costs as much as a decode step; nothing is accepted.
+    q = SpecPolicy("auto", 3)
+    _teach(q, 8, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, acc=0.0)
+    assert q.choose(8).depth == 0
+    assert q.stats.explore_iterations >= 8  # every depth measured twice first
+    # Buckets are separate: a batch of 8 learned nothing for a batch of 1.
+    assert q.choose(1).reason.startswith("explore")
+
+
+def test_policy_switches_only_on_a_clear_gain_and_explores_the_runner_up() -> None:
+    p = SpecPolicy("auto", 2, explore_every=16, margin=0.05)
+    _teach(p, 2, {0: 1.0, 1: 1.5, 2: 2.0}, acc=0.0)  # depth 0 best by far
+    assert p.choose(2).depth == 0
+    # Depth 1 becomes 2 % better than depth 0 (acceptance 0.53 at cost 1.5): under the margin, no switch.
+    p.acc = [0.53, 0.0]
+    picks = [p.choose(2) for _ in range(32)]
+    assert {d.depth for d in picks if d.reason == "best"} == {0}
+    assert any(d.reason == "explore: runner-up" for d in picks)
+    p.acc = [0.9, 0.0]  # now clearly better
+    assert p.choose(2).depth == 1
+
+
+def test_policy_modes_and_buckets() -> None:
+    c = SpecPolicy("cycle", 2)
+    assert [c.choose(1).depth for _ in range(5)] == [0, 1, 2, 0, 1]
+    assert SpecPolicy("always", 3).choose(64).depth == 3
+    assert SpecPolicy("off", 3).choose(1).depth == 0
+    with pytest.raises(ValueError, match="spec policy"):
+        SpecPolicy("sometimes", 3)
+    assert [size_bucket(b) for b in (1, 5, 8, 9, 13, 17, 33, 64)] == [1, 5, 8, 12, 16, 24, 48, 64]
+
+
+def test_published_timings_reach_every_rank_alike() -> None:
+    """Under tensor parallelism a rank's own clock is not used: rank 0's timings, published, make two
+    policies (two ranks) choose alike."""
+    r0, r1 = SpecPolicy("auto", 2, publish=True), SpecPolicy("auto", 2, publish=True)
+    costs = {0: 1.0, 1: 0.7, 2: 3.0}
+    for _ in range(12):
+        d0, d1 = r0.choose(4), r1.choose(4)
+        assert d0 == d1
+        r0.observe(4, d0.depth, [1] * 4 if d0.depth else [], costs[d0.depth])
+        r1.observe(4, d1.depth, [1] * 4 if d1.depth else [], costs[d1.depth] * 5)  # another clock
+        pub = r0.take_published()
+        r1.take_published()  # a follower's own timings are dropped
+        r0.apply_published(pub)
+        r1.apply_published(pub)
+    assert r0.cost == r1.cost and r0.choose(4) == r1.choose(4)
+
+
+def test_sampled_batch_under_auto_is_served() -> None:
+    """Sampled and greedy requests side by side under `auto`: every request ends with its tokens."""
+    e = tiny_engine("random:2:4", spec_policy="auto")
+    sps = [SamplingParams(temperature=0.9, max_new_tokens=15), greedy(15), SamplingParams(temperature=0.7, seed=3,
+                                                                                       max_new_tokens=15)]
+    out = e.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], sps)
+    assert [len(c.token_ids) for c in out] == [15, 15, 15]
+    assert all_free(e)
