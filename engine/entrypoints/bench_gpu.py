@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static batches timed per batch size, each of the next bs prompts (wrapping round the "
                         "dataset): more prompts, less noise from any one of them")
     p.add_argument("--configs", default="graphs,eager,spec,spec-eager,hf,hf-static",
-                   help="graphs, eager, per-forward, spec, spec-eager, spec-per-forward, hf, hf-static, "
+                   help="graphs, eager, per-forward, spec (policy always), spec-auto (policy auto), spec-eager, "
+                        "spec-per-forward, hf, hf-static, "
                         "backend:NAME (target-only, graphs)")
     p.add_argument("--draft", default="random:3", help="the draft of the spec configurations")
     p.add_argument("--simulate-accept-len", type=int, default=None,
@@ -315,7 +316,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             sweep(e, f"target graphs {name}")
             del e
     spec_runs: tuple[tuple[str, dict[str, Any]], ...] = (
-        ("spec", {}), ("spec-eager", {"cuda_graph": False}), ("spec-per-forward", {"iteration_graph": False}))
+        ("spec", {"spec_policy": "always"}), ("spec-auto", {"spec_policy": "auto"}),
+        ("spec-eager", {"cuda_graph": False, "spec_policy": "always"}),
+        ("spec-per-forward", {"iteration_graph": False, "spec_policy": "always"}))
     for c, over in spec_runs:
         if c not in configs:
             continue
@@ -326,7 +329,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             over = {**over, "spec_worker": ForcedAcceptSpecWorker,
                     "spec_worker_kw": {"accept": a.simulate_accept_len - 1}}
         e = engine_for(a.model, max(bss), a.max_new_tokens, plen, draft=a.draft, **over)
-        kind = {"spec": "spec", "spec-eager": "spec eager", "spec-per-forward": "spec per-forward"}[c]
+        kind = {"spec": "spec", "spec-auto": "spec auto", "spec-eager": "spec eager",
+                "spec-per-forward": "spec per-forward"}[c]
         label = f"{kind} {a.draft}" + (f" L={a.simulate_accept_len}" if sim else "")
         sweep(e, label, simulated=sim)
         if a.profile and c == "spec" and torch.cuda.is_available():

@@ -4,8 +4,9 @@ For every runner (target decode or verify, each draft-extend step) and every cap
 batch one short of the bucket (so one row is padding) is replayed and also run eagerly on the same
 inputs: the logits agree to float32 rounding and the argmax is identical. Through the whole engine,
 speculative greedy output with graphs equals target-only greedy output (float32; also with a draft
-reading fused target features through two blocks per step), a seeded sampled request gives the same
-tokens alone and in a batch, and every pool is free afterwards.
+reading fused target features through two blocks per step, and with the speculation policy switching
+depth every iteration), a seeded sampled request gives the same tokens alone and in a batch, and every
+pool is free afterwards.
 """
 
 from __future__ import annotations
@@ -24,26 +25,30 @@ PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8
 
 
 def _engine(draft: str = "none", **over) -> Engine:
+    over.setdefault("spec_policy", "always")
     e = Engine(tiny_cfg(), device="cuda", dtype="float32", draft=draft, max_running_requests=16, **over)
     chaos(e)
     return e
 
 
-@pytest.mark.parametrize("draft", ["none", "random:3"])
-def test_replay_equals_eager_at_every_bucket(draft: str) -> None:
+@pytest.mark.parametrize(("draft", "policy"), [("none", "always"), ("random:3", "always"), ("random:3", "cycle")])
+def test_replay_equals_eager_at_every_bucket(draft: str, policy: str) -> None:
+    """Every captured shape of every runner: under the `cycle` policy that is the decode, verify and
+    draft-extend graphs of every depth 0..S, not only the full one."""
     import dataclasses
 
     from mleagle.engine.executor.forward_batch import ForwardMode
 
-    e = _engine(draft)
+    e = _engine(draft, spec_policy=policy)
     assert all(r.graphs is not None for r in e.runners), e.graph_report
+    if policy == "cycle":  # target: decode + verify at W = 2..4; draft k: extend at W = k+2..4
+        assert [1 + len(r.more_graphs) for r in e.runners] == [4, 3, 2, 1], e.graph_report
     for i in range(12):
         e.add_request(f"q{i}", PROMPTS[i % len(PROMPTS)] + [i], greedy(40))
     while any(r.prefilling for r in e.scheduler.running) or e.scheduler.waiting:
         e.step()
     w = e.worker
-    for runner in e.runners:
-        g = runner.graphs
+    for runner, g in [(r, g) for r in e.runners for g in [r.graphs, *r.more_graphs]]:
         for pbs in g.buckets:
             bs = max(1, min(pbs - 1, 12)) if pbs > 1 else 1
             reqs = e.scheduler.running[:bs]
@@ -53,6 +58,7 @@ def test_replay_equals_eager_at_every_bucket(draft: str) -> None:
             ids = torch.randint(0, e.arch.vocab_size, (bs, g.width), device="cuda")
             rows = torch.arange(bs, device="cuda") * g.width if g.pruned else torch.arange(bs * g.width, device="cuda")
             mode = g.mode if g.mode is not ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY
+            rows = torch.arange(bs, device="cuda") if g.mode is ForwardMode.DECODE else rows
             v = w.view(mode, rpi, ids, g.width, rows, w.host_view(reqs))
             if g.mode is ForwardMode.DRAFT_EXTEND:
                 v = dataclasses.replace(v, mode=g.mode, pruned=True,
@@ -83,6 +89,30 @@ def test_speculative_greedy_with_graphs_equals_target_only(draft: str) -> None:
     t = _engine("none")
     assert run(t, PROMPTS, sps) == want
     assert all_free(t)
+
+
+@pytest.mark.parametrize("draft", ["random:3", "random:2:5:nochain"])
+def test_every_depth_replays_its_iteration_graph_and_stays_exact(draft: str) -> None:
+    """The policy forced to switch depth every iteration (`cycle`), overlap scheduling on: each depth's
+    whole-iteration graph replays (plain decode steps, shallow verifies, the full depth), the draft
+    layers catch up between them, and greedy output equals target-only's; with logprobs (not plain)
+    every runner's graph of every shape replays instead; pools free afterwards."""
+    ref = _engine("none", cuda_graph=False)
+    sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17), greedy(40), greedy(5), greedy(12), greedy(8), greedy(3)]
+    want = run(ref, PROMPTS, sps)
+    e = _engine(draft, spec_policy="cycle")
+    assert e.scheduler.overlap
+    s = e.worker.steps
+    assert sorted(e.worker.iter_graphs) == list(range(s + 1)), e.graph_report
+    assert run(e, PROMPTS, sps) == want
+    assert all(sum(g.stats.replays.values()) > 0 for g in e.worker.iter_graphs.values())
+    assert e.worker.policy.stats.catch_ups > 0
+    lp = [sp.model_copy(update={"logprobs": 1}) for sp in sps]
+    assert run(e, PROMPTS, lp) == want
+    assert all(sum(g.stats.replays.values()) > 0 for r in e.runners for g in [r.graphs, *r.more_graphs])
+    assert all_free(e)
+    auto = _engine(draft, spec_policy="auto")
+    assert run(auto, PROMPTS, sps) == want and all_free(auto)
 
 
 def test_fused_two_block_draft_with_graphs_equals_target_only(tmp_path) -> None:

@@ -190,3 +190,16 @@ def test_sampled_batch_under_auto_is_served() -> None:
     out = e.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], sps)
     assert [len(c.token_ids) for c in out] == [15, 15, 15]
     assert all_free(e)
+
+
+def test_every_depth_has_its_graphs_emulated() -> None:
+    """On the CPU the graph runners' buffers, padding and metadata run emulated: under `cycle` every
+    depth's shapes are captured (decode, verify and draft extend at W = 1..S+1) and each depth's
+    whole-iteration graph serves its iterations, exactly."""
+    ref = _ref(0)
+    e = tiny_engine("random:3:2", spec_policy="cycle", graph_emulate=True, max_running_requests=8)
+    assert [1 + len(r.more_graphs) for r in e.runners] == [4, 3, 2, 1], e.graph_report
+    assert run(e, PROMPTS, greedy(20)) == ref
+    assert sorted(e.worker.iter_graphs) == [0, 1, 2, 3]
+    assert all(sum(g.stats.replays.values()) > 0 for g in e.worker.iter_graphs.values())
+    assert all_free(e)
