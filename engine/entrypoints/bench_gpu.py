@@ -114,6 +114,8 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
     # Warm-up at this batch size and the full length: every shape the timed runs meet (Triton JIT per
     # kernel specialisation, cuBLAS heuristics, KV lengths up to the last one) is met here first.
     gen_once(engine, batches[0], n)
+    policy = getattr(engine.worker, "policy", None)
+    before = list(policy.stats.iterations_by_depth) if policy is not None else []
     wall = 0.0
     toks: list[list[int]] = []
     outs: list[Any] = []
@@ -136,6 +138,11 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
                        "draft_ms_per_iter": round(1000 * sum(s.draft_time_s for s in specs) / max(nv, 1) * bs, 3)}
     else:
         row["ms_per_step_wall"] = round(1000 * wall / (n * len(batches)), 3)
+    if policy is not None:  # what the speculation policy chose in the timed runs (iterations by depth)
+        row["policy"] = {"mode": policy.mode, "iterations_by_depth": [
+            x - y for x, y in zip(policy.stats.iterations_by_depth, before)],
+            "choose_us": round(1e6 * policy.stats.choose_s / max(policy.stats.choose_calls, 1), 2),
+            "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(policy.cost.items())}}
     row["_tokens"] = toks
     return row
 

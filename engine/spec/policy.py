@@ -4,15 +4,18 @@ Speculation pays where verifying W = S'+1 tokens per request costs little more t
 batches, a memory-bound step) and costs where the step is compute-bound (large batches, the CPU), so
 no fixed depth is right for every batch. Before each iteration the policy picks the depth with the most
 expected output tokens per second for the batch as it is: `bs · (1 + a_1 + … + a_S') / cost(bucket,
-S')`, where a_j is the rolling rate at which the j-th draft is accepted (from the engine's own
-counts, an exponential average over iterations that ran depth ≥ j) and cost is the measured wall time
-of one iteration of that depth in the batch's size bucket (`size_bucket`), also a rolling average.
-Depth 0 is a plain decode step (whole-iteration graph included), so the policy can never do worse
-than target-only by more than what it spends measuring: a bucket's depths are each tried twice before
-the policy trusts them (the full depth first, which measures every a_j), the runner-up is tried again
-every `explore_every` iterations of a bucket (costs and acceptance drift with the traffic), and a
-new best depth must beat the current one by `margin` before the policy switches (each switch up
-costs the draft layers a catch-up, see `SpecWorker`).
+S')`, where a_j is the rate at which the j-th draft is accepted (from the engine's own counts: an
+exponential average per request-iteration that ran depth ≥ j, about the last `1/acc_alpha` of them)
+and cost is the measured wall time of one iteration of that depth in the batch's size bucket
+(`size_bucket`): the median of its last `window` samples, so one iteration that met a stall (a page
+allocation, another process) does not move it. Depth 0 is a plain decode step (whole-iteration graph
+included), so the policy can never do worse than target-only by more than what it spends measuring:
+a bucket's depths are each tried `min_samples` times before the policy trusts them (the full depth
+first, which measures every a_j), the runner-up is tried again every `explore_every` iterations of a
+bucket (costs and acceptance drift with the traffic), and a new best depth must beat the current one
+by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
+switch up makes the draft layers that fell behind catch up, see `SpecWorker`; its measured time is
+fed back through `observe_catch_up`).
 
 Modes: `auto` (the above), `always` (depth S, the fixed behaviour), `off` (depth 0, the draft never
 runs; its layers are not even prefilled), and `cycle` (0, 1, …, S, 0, … one per iteration: for tests
@@ -26,8 +29,9 @@ control channel (`apply_published`) between steps. The acceptance counts are equ
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,17 +76,21 @@ class PolicyStats:
 
 
 class SpecPolicy:
-    def __init__(self, mode: str, steps: int, *, explore_every: int = 64, alpha: float = 0.2,
-                 margin: float = 0.03, min_samples: int = 2, publish: bool = False):
+    def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.01,
+                 margin: float = 0.03, min_samples: int = 3, window: int = 9, horizon: int = 64,
+                 publish: bool = False):
         if mode not in MODES:
             raise ValueError(f"spec policy {mode!r}: choose one of {', '.join(MODES)}")
         self.mode, self.steps = mode, steps
-        self.explore_every, self.alpha, self.margin, self.min_samples = explore_every, alpha, margin, min_samples
+        self.explore_every, self.acc_alpha, self.margin = explore_every, acc_alpha, margin
+        self.min_samples, self.window, self.horizon = min_samples, window, horizon
         self.publish = publish  # tensor parallelism: timings travel through the control channel
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
         self.samples: Counter[tuple[int, int]] = Counter()
+        self._recent: dict[tuple[int, int], deque[float]] = {}
+        self.catch_up_cost = 0.0  # seconds per catch-up (rolling), charged to a switch up
         self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted
-        self.acc_seen = [False] * steps
+        self.acc_seen = [0] * steps  # request-iterations behind each a_j
         self.current: dict[int, int] = {}  # bucket -> the depth it runs now
         self.visits: Counter[int] = Counter()
         self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
@@ -132,8 +140,12 @@ class SpecPolicy:
         rates = {d: self.rate(b, d) for d in range(s + 1)}
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)
-        if best != cur and rates[best] < rates[cur] * (1 + self.margin):
-            best = cur  # not clearly better: a switch up costs a catch-up
+        if best != cur:
+            # A deeper depth first pays a catch-up: worth it only if it saves more over `horizon`
+            # iterations (the time one iteration at the new depth saves against the current rate).
+            up = self.catch_up_cost / (self.horizon * self.cost[(b, best)]) if best > cur else 0.0
+            if rates[best] < rates[cur] * (1 + self.margin + up):
+                best = cur
         reason = "best" if best == cur else "switch"
         self.current[b] = best
         if self.visits[b] % self.explore_every == 0:
@@ -153,20 +165,37 @@ class SpecPolicy:
             self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
         if accepted and depth:
             n = len(accepted)
+            fresh = 1 - (1 - self.acc_alpha) ** n  # n request-iterations of evidence, exponentially
             for j in range(depth):
                 x = sum(1 for a in accepted if a > j) / n
-                self.acc[j] = x if not self.acc_seen[j] else (1 - self.alpha) * self.acc[j] + self.alpha * x
-                self.acc_seen[j] = True
+                # The plain mean until there are about 1/alpha observations, then the rolling average.
+                w = max(n / (self.acc_seen[j] + n), fresh)
+                self.acc[j] += w * (x - self.acc[j])
+                self.acc_seen[j] += n
         if seconds is not None and seconds > 0:
             if self.publish:
                 self._unpublished.append((size_bucket(bs), depth, seconds))
             else:
                 self._time(size_bucket(bs), depth, seconds)
 
+    def observe_catch_up(self, seconds: float) -> None:
+        """One catch-up's wall time (under tensor parallelism rank 0's, published like the others)."""
+        if self.publish:
+            self._unpublished.append((0, -1, seconds))
+        else:
+            self._catch_up(seconds)
+
+    def _catch_up(self, seconds: float) -> None:
+        self.catch_up_cost = seconds if not self.catch_up_cost else 0.8 * self.catch_up_cost + 0.2 * seconds
+
     def _time(self, b: int, depth: int, seconds: float) -> None:
+        if depth < 0:  # a catch-up (see `observe_catch_up`)
+            self._catch_up(seconds)
+            return
         key = (b, depth)
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        q = self._recent.setdefault(key, deque(maxlen=self.window))
+        q.append(seconds)
+        self.cost[key] = statistics.median(q)
         self.samples[key] += 1
 
     def take_published(self) -> list[tuple[int, int, float]]:
@@ -180,16 +209,16 @@ class SpecPolicy:
 
     def reset(self) -> None:
         """Forget everything learned (the engine's warm-up runs shapes that are not the traffic)."""
-        mode, s = self.mode, self.steps
-        self.__init__(mode, s, explore_every=self.explore_every, alpha=self.alpha,  # type: ignore[misc]
-                      margin=self.margin, min_samples=self.min_samples, publish=self.publish)
+        self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
+                      acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
+                      window=self.window, horizon=self.horizon, publish=self.publish)
 
     def snapshot(self) -> dict[str, object]:
         """Host values for events and `/debug`: the mode, the last decision, the rates and costs."""
         return {
             "mode": self.mode, "depth": self.last.depth, "reason": self.last.reason,
             "predicted_gain": self.last.predicted_gain, "measured_gain": self.measured_gain,
-            "acceptance": list(self.acc),
+            "acceptance": list(self.acc), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             **{k: v for k, v in vars(self.stats).items()},
         }

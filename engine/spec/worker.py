@@ -27,6 +27,16 @@ KV every draft pool already holds (as its owner left it; see README, "Prefix cac
 the last S cached positions to recompute (`prefix_margin`): there the owner's draft KV read tokens
 past the prefix. The draft layers' last outputs are the first drafts.
 
+Depth: the speculation policy (`mleagle.engine.spec.policy`) picks before each iteration how many
+draft steps S' in 0..S it runs (`plan`): S' = 0 is the target-only decode step, a smaller S' verifies
+the first S' drafts and runs the first S' layers. The layers that did not run fall behind: per request
+`DraftState.valid` is where every layer's KV ends, `.depth` how many leading layers are current to
+kv_len, and shallower iterations keep the target's hidden states of the positions they commit in a
+ring per request slot. An iteration deeper than a request's `depth` (or one that would overflow the
+ring) first **catches up** (`catch_up`): one batched draft extend over [valid, kv_len) from the ring,
+exactly what the draft prefill does over a prompt, which also makes the first drafts. A catch-up is
+described by host lengths, so the scheduler launches it with no iteration in flight (`hold`).
+
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
 tokens that were drafts at the time; where the next verify rejects those drafts that KV stays
@@ -343,7 +353,9 @@ class SpecWorker(TargetWorker):
         st.catch_up_positions += sum(lens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a measurement, and the catch-up is a sync point anyway
-        st.catch_up_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st.catch_up_s += dt
+        self.policy.observe_catch_up(dt)
         self._last_done = None  # the next iteration's interval holds this catch-up
 
     def _keep_hidden(self, rpi: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:

@@ -155,6 +155,26 @@ def test_policy_switches_only_on_a_clear_gain_and_explores_the_runner_up() -> No
     assert p.choose(2).depth == 1
 
 
+def test_a_switch_up_pays_for_its_catch_up_first() -> None:
+    """Depth 1 is 10 % better per iteration than depth 0, but its catch-up costs 20 iterations of time:
+    over a 64-iteration horizon that is not worth it, so the policy stays at 0; a cheap catch-up
+    switches. Switching down needs no catch-up and is never held back by one."""
+    def taught(catch_up: float) -> SpecPolicy:
+        p = SpecPolicy("auto", 1, horizon=64)
+        _teach(p, 4, {0: 1.0, 1: 1.0}, acc=0.0)  # equal costs, nothing accepted: depth 0 (tied: current)
+        p.current[4] = 0
+        p.acc = [0.1]  # depth 1 now 10 % better
+        p.catch_up_cost = catch_up
+        return p
+
+    assert taught(20.0).choose(4).depth == 0
+    assert taught(1.0).choose(4).depth == 1
+    down = taught(20.0)
+    down.current[4], down.acc = 1, [0.0]
+    down.cost[(4, 1)] = 2.0  # depth 1 now twice the cost: down at once
+    assert down.choose(4).depth == 0
+
+
 def test_policy_modes_and_buckets() -> None:
     c = SpecPolicy("cycle", 2)
     assert [c.choose(1).depth for _ in range(5)] == [0, 1, 2, 0, 1]
