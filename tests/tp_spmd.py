@@ -11,7 +11,9 @@ every draft-extend step, target and draft runners) equal TP=1's in both layouts,
 head, with replicated draft layers, with a reduced draft vocabulary and with a draft reading fused
 target features through two blocks per step; greedy speculative output equals
 TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), with
-overlap scheduling forced on too, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
+overlap scheduling forced on too, and with the speculation policy switching depth every iteration
+(`cycle`) or choosing it (`auto`, overlap on: rank 0's timings published to every rank), every rank
+running the same depths and catch-ups, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
 regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
 (padded, split over the ranks) and its gathered logits equal eager; with `[bs]` injected into a
 graph's counts after its capture (what the capture check exists to stop) the gathered logits at the
@@ -51,6 +53,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def engine(draft: str, kv: int = 2, vocab: int = 256, **over: Any) -> Engine:
+    over.setdefault("spec_policy", "always")  # the full depth, unless a check is about the policy
     e = start_engine(tiny_cfg(kv=kv, vocab=vocab), draft=draft, max_running_requests=12, **over)
     chaos(e)
     return e
@@ -170,7 +173,9 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None
                                            ("random:2", True, "/per_forward", {"iteration_graph": False}),
                                            ("none", True, "/per_forward", {"iteration_graph": False}),
                                            ("random:2", False, "/tight_overlap", tight),
-                                           ("random:2", True, "/overlap", {}), (fused, True, "", {})):
+                                           ("random:2", True, "/overlap", {}), (fused, True, "", {}),
+                                           ("random:3", False, "/cycle", {"spec_policy": "cycle"}),
+                                           ("random:2", True, "/auto_overlap", {"spec_policy": "auto"})):
             name = "random_fused" if draft == fused else draft
             e = engine(draft, tp_size=2, tp_layout=layout, graph_emulate=emulate, **extra)
             e.scheduler.overlap = tag.endswith("overlap")
@@ -194,7 +199,10 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None
             out[f"{layout}/{name}/{'graphs' if emulate else 'eager'}{tag}"] = {
                 "equal": toks == want if rank == 0 else None, "free": all_free(e), "replays": replays,
                 "iter_replays": sum(it.stats.replays.values()) if it is not None else 0,
-                "preemptions": e.scheduler.num_preemptions}
+                "preemptions": e.scheduler.num_preemptions,
+                # The speculation policy's choices (rank 0's timings reach every rank): the same everywhere.
+                "depths": list(e.worker.policy.stats.iterations_by_depth) if hasattr(e.worker, "policy") else [],
+                "catch_ups": e.worker.policy.stats.catch_ups if hasattr(e.worker, "policy") else 0}
     res["exact"] = out
 
 

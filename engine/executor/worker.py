@@ -499,6 +499,10 @@ class TargetWorker:
     def decode(self, reqs: list[Req]) -> list[StepResult]:
         return self.finish(self.launch(reqs))
 
+    def settle(self, req: Req) -> None:
+        """A request's KV is about to go to the prefix cache (a speculative worker catches its draft
+        layers up first; nothing to do here)."""
+
     def kv_valid_len(self, req: Req) -> int:
         """Leading positions of `req` whose KV is computed in every runner's pool: what the prefix
         cache may keep when the request ends or is preempted. The target's pool is all there is here."""

@@ -227,9 +227,10 @@ class SpecWorker(TargetWorker):
                     target_hidden: torch.Tensor) -> None:
         """Every draft layer over positions [start, start+len) of each request, from the target's hidden
         states there (`target_hidden`, the requests' rows in order), then the first drafts: a prefill's
-        or a catch-up's. Afterwards every layer's KV is current to kv_len."""
-        for r in reqs:
-            r.draft_state.valid, r.draft_state.depth = r.kv_len, self.steps
+        or a catch-up's; `bonus` is each request's token at start+len. Afterwards every layer's KV is
+        current to start+len."""
+        for r, st, n in zip(reqs, starts, lens):
+            r.draft_state.valid, r.draft_state.depth = st + n, self.steps
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
                            prefix_lens=starts, extend_lens=lens, req_to_token=self.r2t, device=self.device,
                            rids=tuple(r.rid for r in reqs))
@@ -237,7 +238,7 @@ class SpecWorker(TargetWorker):
         # (lens_i + 1 entries); layer k at position p reads t_{p+k+1}, from `seq` while that is at most
         # the bonus, else draft number (p+k+1 - kv_len) made by an earlier layer (`tail`).
         dev, n = self.device, len(reqs)
-        seq = torch.tensor([t for r, st, b in zip(reqs, starts, bonus) for t in [*r.fill_ids[st : r.kv_len], b]],
+        seq = torch.tensor([t for r, st, n, b in zip(reqs, starts, lens, bonus) for t in [*r.fill_ids[st : st + n], b]],
                            dtype=torch.int64).to(dev)
         lens_t = torch.tensor(lens, dtype=torch.int64)
         offs = torch.cat([torch.zeros(1, dtype=torch.int64), (lens_t + 1).cumsum(0)[:-1]])  # each request's seq start
@@ -327,27 +328,30 @@ class SpecWorker(TargetWorker):
         p.plan = dataclasses.replace(plan, catch_up=catch)
         return p
 
-    def catch_up(self, reqs: list[Req]) -> None:
+    def catch_up(self, reqs: list[Req], ends: list[int] | None = None) -> None:
         """Bring every draft layer of `reqs` current: one batched draft extend over the positions decoded
-        since their draft KV was last complete ([valid, kv_len)), from the target hidden states the
-        shallower iterations kept in the ring, exactly as a prefill fills the draft pools (and, like
-        one, making the first drafts). Host-described: no iteration may be in flight."""
+        since their draft KV was last complete ([valid, end), end = kv_len unless given), from the
+        target hidden states the shallower iterations kept in the ring, exactly as a prefill fills the
+        draft pools (and, like one, making the first drafts). Host-described: no iteration may be in
+        flight."""
         if self.inflight:
             raise RuntimeError("a draft catch-up needs the host's KV lengths: finish the iteration in flight first")
         assert self.hstash is not None
-        todo = [r for r in reqs if r.kv_len > r.draft_state.valid]
+        ends = ends if ends is not None else [r.kv_len for r in reqs]
+        todo = [(r, e) for r, e in zip(reqs, ends) if e > r.draft_state.valid]
         for r in reqs:
-            if r not in todo:  # nothing decoded since: its layers are current
+            if all(r is not q for q, _ in todo):  # nothing decoded since: its layers are current
                 r.draft_state.depth = self.steps
         if not todo:
             return
         t0 = time.perf_counter()
-        starts = [r.draft_state.valid for r in todo]
-        lens = [r.kv_len - v for r, v in zip(todo, starts)]
-        slot = torch.tensor([r.req_pool_idx for r, n in zip(todo, lens) for _ in range(n)], dtype=torch.int64)  # type: ignore[misc]
+        rs = [r for r, _ in todo]
+        starts = [r.draft_state.valid for r in rs]
+        lens = [e - v for (_, e), v in zip(todo, starts)]
+        slot = torch.tensor([r.req_pool_idx for r, n in zip(rs, lens) for _ in range(n)], dtype=torch.int64)  # type: ignore[misc]
         pos = torch.tensor([p % self.window for v, n in zip(starts, lens) for p in range(v, v + n)], dtype=torch.int64)
         hidden = self.hstash[slot.to(self.device), pos.to(self.device)]
-        self._draft_fill(todo, starts, lens, [r.fill_ids[r.kv_len] for r in todo], hidden)
+        self._draft_fill(rs, starts, lens, [r.fill_ids[e] for r, e in todo], hidden)
         st = self.policy.stats
         st.catch_ups += 1
         st.catch_up_positions += sum(lens)
@@ -584,6 +588,18 @@ class SpecWorker(TargetWorker):
         self.boundary_kv_stale_positions = 0
         self.policy.reset()
         self._last_done = None
+
+    def settle(self, req: Req) -> None:
+        """A request is about to hand its KV to the prefix cache: catch its draft layers up first, so
+        the cache can keep all of it, where nothing is in flight (the CPU; a GPU step with overlap
+        scheduling leaves at most the ring's window of positions uncached instead of stalling)."""
+        ds = req.draft_state
+        if (ds is None or req.prefilling or not self.drafting or self.hstash is None or self.inflight
+                or ds.depth == self.steps and ds.valid >= req.kv_len):
+            return
+        end = min(req.kv_len, req.fill_len - 1)  # positions whose next token is committed (a stop may cut)
+        if end > ds.valid:
+            self.catch_up([req], [end])
 
     def kv_valid_len(self, req: Req) -> int:
         """Draft pools are filled when a request's prefill completes: until then only its cached prefix

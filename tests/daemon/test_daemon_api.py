@@ -146,7 +146,10 @@ def test_prefix_cache_usage_and_metrics(srv, oai):
                                               stream=True, stream_options={"include_usage": True}))
     u = chunks[-1].usage
     assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
-    assert r1.usage.prompt_tokens + r1.usage.completion_tokens - 1 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
+    # All of the first turn is cached (its draft layers caught up at release) but the last token, and the
+    # last S = 3 positions, which a hit recomputes for the default config's 3-step draft (`prefix_margin`).
+    assert r1.usage.prompt_tokens + r1.usage.completion_tokens - 1 - 3 <= u.prompt_tokens_details.cached_tokens
+    assert u.prompt_tokens_details.cached_tokens < u.prompt_tokens
     st, text = srv.get("/metrics")
     assert st == 200
     vals = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()

@@ -223,3 +223,23 @@ def test_every_depth_has_its_graphs_emulated() -> None:
     assert sorted(e.worker.iter_graphs) == [0, 1, 2, 3]
     assert all(sum(g.stats.replays.values()) > 0 for g in e.worker.iter_graphs.values())
     assert all_free(e)
+
+
+def test_a_request_that_stopped_drafting_still_leaves_all_its_kv_to_the_cache() -> None:
+    """A request decoded only by plain steps ends with its draft layers behind; before its KV goes to the
+    prefix cache they catch up, so a follow-up turn hits everything a fully speculated request leaves
+    (all but the last token, less the S positions a hit recomputes), and its output stays exact."""
+    prompt = list(range(60, 75))
+    hits = []
+    for policy in ("plain", "always"):
+        e = tiny_engine("random:3:2", spec_policy="always" if policy == "always" else "cycle")
+        if policy == "plain":
+            w = e.worker
+            w.policy.choose = lambda bs, constrained=False: type(w.policy.last)(0, "test")  # type: ignore[method-assign]
+        first = e.generate([prompt], greedy(20, ignore_eos=True))[0].token_ids
+        before = e.scheduler.prefix_hits
+        nxt = e.generate([prompt + first + [7]], greedy(6))[0]
+        hits.append(e.scheduler.prefix_hits - before)
+        assert nxt.token_ids == run(tiny_engine(), [prompt + first + [7]], greedy(6))[0]
+        assert all_free(e)
+    assert hits[0] == hits[1] == len(prompt) + 20 - 1 - 3

@@ -97,11 +97,14 @@ def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:
 
 def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["exact"], ranks[1]["exact"]
-    assert len(r0) == 18
+    assert len(r0) == 22
     for key, r in r0.items():
         assert r["equal"], key
         assert r["free"] and r1[key]["free"], key
         assert r1[key]["preemptions"] == r["preemptions"], key  # the same schedule on both ranks
+        assert (r1[key]["depths"], r1[key]["catch_ups"]) == (r["depths"], r["catch_ups"]), key  # the same depths
+        if key.endswith("cycle"):  # every depth ran, with catch-ups, on both ranks alike
+            assert all(n > 0 for n in r["depths"]) and r["catch_ups"] > 0, key
         assert (r1[key]["replays"], r1[key]["iter_replays"]) == (r["replays"], r["iter_replays"]), key
         if key.endswith("graphs"):  # plain greedy decode: whole-iteration replays, collectives inside
             assert r["iter_replays"] > 0, key
