@@ -595,7 +595,7 @@ class SpecWorker(TargetWorker):
         scheduling leaves at most the ring's window of positions uncached instead of stalling)."""
         ds = req.draft_state
         if (ds is None or req.prefilling or not self.drafting or self.hstash is None or self.inflight
-                or ds.depth == self.steps and ds.valid >= req.kv_len):
+                or (ds.depth == self.steps and ds.valid >= req.kv_len)):
             return
         end = min(req.kv_len, req.fill_len - 1)  # positions whose next token is committed (a stop may cut)
         if end > ds.valid:
