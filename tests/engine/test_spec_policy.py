@@ -17,10 +17,15 @@ import pytest
 import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
-from mleagle.engine.spec.policy import SpecPolicy, size_bucket
+from mleagle.engine.spec.policy import Decision, SpecPolicy, size_bucket
 from tests.spec_helpers import all_free, greedy, oracle_engine, run, tiny_engine
 
 PROMPTS = [[1, 2, 3], list(range(5, 16)), [100], [7, 7, 7, 7, 7], list(range(30, 47)), [200, 3, 9, 41, 5, 6, 77, 8, 90]]
+
+
+def _plain_steps_only(p: SpecPolicy) -> None:
+    """Make a policy choose depth 0 (a plain decode step) for every iteration."""
+    p.choose = lambda bs, constrained=False: Decision(0, "test")  # type: ignore[method-assign]
 
 
 def _ref(chunk: int) -> list[list[int]]:
@@ -83,7 +88,7 @@ def test_catch_up_equals_prefill(draft: str) -> None:
     n_plain = 9
     e = tiny_engine(draft, spec_policy="cycle")
     w = e.worker
-    w.policy.choose = lambda bs, constrained=False: type(w.policy.last)(0, "test")  # type: ignore[method-assign]
+    _plain_steps_only(w.policy)
     e.add_request("a", prompt, greedy(64, ignore_eos=True))
     for _ in range(1 + n_plain):  # the prefill (its draft prefill included), then plain decode steps
         e.step()
@@ -234,8 +239,7 @@ def test_a_request_that_stopped_drafting_still_leaves_all_its_kv_to_the_cache() 
     for policy in ("plain", "always"):
         e = tiny_engine("random:3:2", spec_policy="always" if policy == "always" else "cycle")
         if policy == "plain":
-            w = e.worker
-            w.policy.choose = lambda bs, constrained=False: type(w.policy.last)(0, "test")  # type: ignore[method-assign]
+            _plain_steps_only(e.worker.policy)
         first = e.generate([prompt], greedy(20, ignore_eos=True))[0].token_ids
         before = e.scheduler.prefix_hits
         nxt = e.generate([prompt + first + [7]], greedy(6))[0]
