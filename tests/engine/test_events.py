@@ -349,3 +349,4 @@ def test_target_only_engine_reports_no_policy() -> None:
     assert any(isinstance(x, BatchEvent) and x.mode == "DECODE" for x in evs)
     assert not any(isinstance(x, SpecPolicyEvent) for x in evs)
     assert [x for x in evs if isinstance(x, EngineEvent)][-1].spec_policy is None
+    assert e.stats()["spec_policy"] is None
