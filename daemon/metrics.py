@@ -7,8 +7,13 @@ queries and hits count prompt tokens, as vLLM's `prefix_cache_queries`/`prefix_c
 when a request finishes. Speculative counters follow vLLM's names with position = draft
 layer (`mleagle:spec_decode_num_accepted_tokens_per_pos{position}`) and are summed from the per-request
 statistics the engine hands back with each finished request; the acceptance length and rate gauges
-(SGLang style) and the per-layer draft overhead are derived from those sums. One registry per app, so
-several servers in one process (tests) never collide.
+(SGLang style) and the per-layer draft overhead are derived from those sums. The speculation policy's
+series (`mleagle:spec_policy_*`: iterations per draft depth S', drafts accepted, depth switches,
+explored iterations, draft catch-ups with their positions and time, and gauges of the latest depth and
+its predicted and measured gain) come from the policy's snapshot in the engine's pongs; its totals are
+cumulative in the engine, so the counters advance by what grew since the previous pong, and a
+speculative engine alone creates them. One registry per app, so several servers in one process (tests)
+never collide.
 """
 
 from __future__ import annotations
@@ -74,6 +79,30 @@ class Metrics:
         self.spec_draft_overhead = Gauge(
             P + "spec_decode_draft_overhead", "Draft time per layer / (draft + verify time)", [*lab, "layer"], registry=r
         )
+        # The speculation policy: created when a speculative engine first reports one.
+        self.pol_iters = Counter(P + "spec_policy_iterations", "Decode iterations by the draft depth S' the policy chose",
+                                 [*lab, "depth"], registry=r)
+        self.pol_counters = {  # PolicyStats field -> its counter
+            "tokens_gained": Counter(P + "spec_policy_tokens_gained",
+                                     "Drafts accepted: tokens beyond one per request and iteration", lab, registry=r),
+            "switches": Counter(P + "spec_policy_switches", "Changes of draft depth between iterations", lab, registry=r),
+            "explore_iterations": Counter(P + "spec_policy_explore_iterations",
+                                          "Iterations the policy ran to measure a depth", lab, registry=r),
+            "catch_ups": Counter(P + "spec_policy_catch_ups", "Draft-layer catch-ups (one batched draft extend each)",
+                                 lab, registry=r),
+            "catch_up_positions": Counter(P + "spec_policy_catch_up_positions", "Positions the draft catch-ups filled",
+                                          lab, registry=r),
+            "catch_up_s": Counter(P + "spec_policy_catch_up_seconds", "Time in draft catch-ups", lab, registry=r),
+        }
+        self.pol_depth = Gauge(P + "spec_policy_depth", "Draft depth S' of the policy's latest decision", lab, registry=r)
+        self.pol_predicted = Gauge(P + "spec_policy_predicted_gain",
+                                   "Expected tokens/s at the chosen depth over depth 0's (0: no prediction)", lab,
+                                   registry=r)
+        self.pol_measured = Gauge(P + "spec_policy_measured_gain",
+                                  "Latest measured tokens/s over depth 0's in its batch-size bucket (0: not yet)", lab,
+                                  registry=r)
+        self._pol_seen: dict[str, float] = {}  # the engine's totals at the last pong
+        self._pol_epoch = 0
         self._spec = SpecStats()
         self._layers = 0
         self.engine_restarts.inc(0)
@@ -136,5 +165,30 @@ class Metrics:
             self.req_used.labels(r).set(float(u.get("req_used", 0)))
             self.req_total.labels(r).set(float(u.get("req_total", 0)))
 
+    def set_policy(self, snap: Any, epoch: int = 0) -> None:
+        """The speculation policy's snapshot from a pong (`Engine.stats()["spec_policy"]`; None for a
+        target-only engine). Its totals are cumulative in the engine: each counter advances by what grew
+        since the previous pong. A new `epoch` (the daemon's engine restarts) or a total that fell (the
+        engine forgot its counts) starts again from zero, so no count is taken twice."""
+        if not isinstance(snap, dict):
+            return
+        m = self.model
+        totals = {k: _num(snap.get(k)) for k in self.pol_counters}
+        totals.update({f"depth{d}": _num(n) for d, n in enumerate(snap.get("iterations_by_depth") or [])})
+        if epoch != self._pol_epoch or any(v < self._pol_seen.get(k, 0.0) for k, v in totals.items()):
+            self._pol_seen, self._pol_epoch = {}, epoch
+        for k, total in totals.items():
+            c = self.pol_iters.labels(m, k[5:]) if k.startswith("depth") else self.pol_counters[k].labels(m)
+            c.inc(max(total - self._pol_seen.get(k, 0.0), 0.0))  # inc(0) lists the series from the first report
+        self._pol_seen = totals
+        self.pol_depth.labels(m).set(_num(snap.get("depth")))
+        self.pol_predicted.labels(m).set(_num(snap.get("predicted_gain")))
+        self.pol_measured.labels(m).set(_num(snap.get("measured_gain")))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _num(x: Any) -> float:
+    """A number from an engine's JSON (anything else counts as 0: a bad figure must not break a scrape)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0.0

@@ -90,6 +90,8 @@ class Server:
     def _on_pong(self, p: Any) -> None:
         self.metrics.set_pools(p.pool_usage)
         self._set_queue_gauges(p.stats)
+        # A restarted engine counts from zero: the restarts tell the policy's counters where a new one begins.
+        self.metrics.set_policy((p.stats or {}).get("spec_policy"), epoch=self.client.restarts)
 
     def _set_queue_gauges(self, stats: dict[str, Any] | None = None) -> None:
         n = self.client.num_inflight

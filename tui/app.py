@@ -3,8 +3,8 @@
 The app owns one event source (a live WebSocket to the daemon's `/v1/events`, or a recording replayed
 in time), runs it in an async worker on the app's loop so the UI never blocks, folds every event into
 the `Dashboard` view model, and redraws the visible panel on a short timer only when the model changed
-(Textual coalesces, and a fast stream does not cost one redraw per event). Seven tabs (keys 1-7):
-Overview, Batches, Pools, Graphs, Logprobs, Acceptance, Requests; enter on a request opens its tokens
+(Textual coalesces, and a fast stream does not cost one redraw per event). Eight tabs (keys 1-8):
+Overview, Batches, Pools, Graphs, Logprobs, Acceptance, Requests, Policy; enter on a request opens its tokens
 with logprobs. `p` pauses (a replay stops; a live view freezes while events keep being received and
 recorded), `+`/`-` change the replay speed, `.` steps one event in a paused replay, `?` shows help,
 `q` quits. Imports only the torch-free event schema and tracker, so it runs on a laptop without torch.
@@ -33,6 +33,7 @@ from mleagle.tui.panels.batches import BatchesPanel
 from mleagle.tui.panels.graphs import GraphsPanel
 from mleagle.tui.panels.logprobs import LogprobsPanel
 from mleagle.tui.panels.overview import OverviewPanel
+from mleagle.tui.panels.policy import PolicyPanel
 from mleagle.tui.panels.pools import PoolsPanel
 from mleagle.tui.panels.requests import RequestsPanel
 from mleagle.tui.source import LiveSource, ReplaySource, Status
@@ -45,13 +46,14 @@ TABS: list[tuple[str, str, type[Panel]]] = [
     ("logprobs", "5 Logprobs", LogprobsPanel),
     ("acceptance", "6 Acceptance", AcceptancePanel),
     ("requests", "7 Requests", RequestsPanel),
+    ("policy", "8 Policy", PolicyPanel),
 ]
 SPEEDS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0]
 
 HELP = """\
 [b]mleagle-tui[/b]: live view of an mleagle server's state events
 
-[b]1-7[/b]        switch tab: Overview, Batches, Pools, Graphs, Logprobs, Acceptance, Requests
+[b]1-8[/b]        switch tab: Overview, Batches, Pools, Graphs, Logprobs, Acceptance, Requests, Policy
 [b]tab[/b]        move focus (tables scroll with arrows / page up / page down)
 [b]enter[/b]      on a request row: its tokens with logprobs and top alternatives
 [b]p[/b]          pause / resume (a replay stops; a live view freezes, events still arrive and are recorded)

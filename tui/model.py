@@ -3,14 +3,15 @@
 `Dashboard.apply(event)` is the only way state changes; `apply_raw(text)` parses first and counts
 malformed input instead of raising. Current state (pools, graphs, running requests, engine status) comes
 from the engine's own `StateTracker`; history the panels need (recent batches and logprob metadata,
-sparkline series, acceptance totals per depth and the accept-length histogram, requests with their
-tokens for the drill-down) is kept here in bounded containers. `version` increases on every applied
+sparkline series, acceptance totals per depth and the accept-length histogram, the speculation
+policy's recent decisions with their counts by depth and reason, requests with their tokens for the
+drill-down) is kept here in bounded containers. `version` increases on every applied
 event so the UI redraws only when something changed.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 
 from mleagle.engine.contract.event_bus import StateTracker
@@ -26,6 +27,7 @@ from mleagle.engine.contract.events import (
     PoolEvent,
     RequestEvent,
     SnapshotEvent,
+    SpecPolicyEvent,
     TokenEvent,
     parse_event,
 )
@@ -84,6 +86,15 @@ class Dashboard:
         self.verify_time = 0.0
         self.layer_time: list[float] = []
         self.last_acceptance: AcceptanceEvent | None = None
+        # speculation policy: the latest decisions (oldest first) and, over every one seen, counts by depth
+        # and reason and the sums behind the mean predicted and measured gain per depth (0.0 = none: skipped)
+        self.policy: deque[SpecPolicyEvent] = deque(maxlen=history)
+        self.policy_count = 0
+        self.policy_by_depth: Counter[int] = Counter()
+        self.policy_reasons: Counter[str] = Counter()
+        self.policy_catch_up = 0  # requests caught up before an iteration
+        self.gain_sum: defaultdict[tuple[str, int], float] = defaultdict(float)  # (kind, depth) -> sum
+        self.gain_n: Counter[tuple[str, int]] = Counter()
         # sparklines
         self.spark_tps: deque[float] = deque(maxlen=history)
         self.spark_accept: deque[float] = deque(maxlen=history)
@@ -175,6 +186,17 @@ class Dashboard:
         elif e.bs:
             self.spark_accept.append(1 + sum(e.accepted_per_depth) / e.bs)
 
+    def _on_spec_policy(self, e: SpecPolicyEvent) -> None:
+        self.policy.append(e)
+        self.policy_count += 1
+        self.policy_by_depth[e.depth] += 1
+        self.policy_reasons[e.reason] += 1
+        self.policy_catch_up += e.catch_up
+        for kind, g in (("predicted", e.predicted_gain), ("measured", e.measured_gain)):
+            if g > 0:
+                self.gain_sum[(kind, e.depth)] += g
+                self.gain_n[(kind, e.depth)] += 1
+
     def _on_request(self, e: RequestEvent) -> None:
         r = self.requests.get(e.rid)
         if r is None:
@@ -222,6 +244,11 @@ class Dashboard:
     def mean_accept_len(self) -> float | None:
         n = sum(self.accept_hist.values())
         return sum(k * v for k, v in self.accept_hist.items()) / n if n else None
+
+    def mean_gain(self, kind: str, depth: int) -> float | None:
+        """Mean "predicted" or "measured" gain of the decisions seen at `depth` (None: none had one)."""
+        n = self.gain_n[(kind, depth)]
+        return self.gain_sum.get((kind, depth), 0.0) / n if n else None
 
     @property
     def spec_steps(self) -> int:

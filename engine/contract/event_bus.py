@@ -28,6 +28,7 @@ from mleagle.engine.contract.events import (
     PoolEvent,
     RequestEvent,
     SnapshotEvent,
+    SpecPolicyEvent,
     dump_event,
     parse_event,
 )
@@ -93,8 +94,8 @@ class StateTracker:
     """Folds events into the current state, so a late subscriber can be sent one SnapshotEvent.
 
     Keeps the latest engine status, the latest pool and graph event per runner, the requests that have
-    not finished (without their token deltas: those are history, not state), the last batch and
-    acceptance events, and the drop counters last reported by any stage.
+    not finished (without their token deltas: those are history, not state), the last batch,
+    acceptance and speculation-policy events, and the drop counters last reported by any stage.
     """
 
     def __init__(self) -> None:
@@ -104,6 +105,7 @@ class StateTracker:
         self.requests: dict[str, RequestEvent] = {}
         self.last_batch: BatchEvent | None = None
         self.last_acceptance: AcceptanceEvent | None = None
+        self.last_spec_policy: SpecPolicyEvent | None = None
         self.dropped: dict[str, dict[str, int]] = {}
 
     def apply(self, e: Event) -> None:
@@ -115,6 +117,8 @@ class StateTracker:
             self.last_batch = e
         elif isinstance(e, AcceptanceEvent):
             self.last_acceptance = e
+        elif isinstance(e, SpecPolicyEvent):
+            self.last_spec_policy = e
         elif isinstance(e, EngineEvent):
             self.engine = e
         elif isinstance(e, RequestEvent):
@@ -131,6 +135,7 @@ class StateTracker:
             self.requests = {r.rid: r for r in e.requests}
             self.last_batch = e.last_batch
             self.last_acceptance = e.last_acceptance
+            self.last_spec_policy = e.last_spec_policy
             if e.dropped:
                 self.dropped["snapshot"] = dict(e.dropped)
 
@@ -145,6 +150,7 @@ class StateTracker:
             requests=list(self.requests.values()),
             last_batch=self.last_batch,
             last_acceptance=self.last_acceptance,
+            last_spec_policy=self.last_spec_policy,
             dropped=dict(dropped),
         )
 

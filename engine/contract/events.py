@@ -23,7 +23,9 @@ from typing import IO, Annotated, Final, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 # Bump on any change that an older reader would misread (renamed/removed field, changed meaning).
-# Adding an optional field does not need a bump: readers ignore fields they do not know.
+# Adding an optional field does not need a bump: readers ignore fields they do not know. Nor does a new
+# event type: an older reader rejects it as unknown (counted as malformed) and reads every other event
+# as before, where a bump would make it refuse them all.
 SCHEMA_VERSION = 1
 RECORDING_FORMAT: Final = "mleagle-events"  # Final: typed as the Literal that RecordingHeader.format is
 
@@ -189,6 +191,52 @@ class AcceptanceEvent(_Base):
     draft_time_per_layer_s: list[float] = Field(default_factory=list)
 
 
+class SpecPolicyEvent(_Base):
+    """One decode iteration's draft depth as the speculation policy chose it (speculative engines only).
+
+    `depth` is S' in 0..`S` (0: a plain decode step, no draft ran; S: every draft layer), `mode` the
+    policy's mode (auto, always, off, cycle) and `reason` why it chose this depth: "best", "switch",
+    "explore: not measured yet", "explore: runner-up", "constrained", or the fixed mode's name.
+    `predicted_gain` is the expected tokens/s at this depth over depth 0's (1.0: equal; 0.0: no
+    prediction, as in a fixed mode or while measuring); `measured_gain` the policy's latest measured
+    one, an iteration's tokens/s over depth 0's measured rate in its batch-size bucket (0.0: depth 0 not
+    measured there yet; an iteration after a prefill or a catch-up is not timed and keeps the previous
+    figure). `catch_up` counts the requests whose draft layers were caught up before the iteration ran.
+    `step` is the scheduler step that applied the iteration's results (that of its batch and acceptance
+    events), `bs` its batch size.
+    """
+
+    type: Literal["spec_policy"] = "spec_policy"
+    step: int
+    bs: int
+    depth: int
+    S: int
+    mode: str = ""
+    reason: str = ""
+    predicted_gain: float = 0.0
+    measured_gain: float = 0.0
+    catch_up: int = 0
+
+
+class SpecPolicyTotals(BaseModel):
+    """What the speculation policy did since the engine started serving (its warm-up is forgotten), in
+    the engine status: iterations per depth (index = S'), drafts accepted (the tokens speculation gained
+    beyond one per request and iteration), iterations spent exploring, depth switches, draft catch-ups
+    with the positions they filled and their time, and the policy's choices with their mean host time."""
+
+    model_config = ConfigDict(extra="ignore")
+    mode: str = ""
+    iterations_by_depth: list[int] = Field(default_factory=list)
+    tokens_gained: int = 0
+    explore_iterations: int = 0
+    switches: int = 0
+    catch_ups: int = 0
+    catch_up_positions: int = 0
+    catch_up_s: float = 0.0
+    choose_calls: int = 0
+    choose_mean_s: float = 0.0
+
+
 class TopToken(BaseModel):
     """One alternative at a position: token id, its text piece (when detokenized) and logprob."""
 
@@ -256,6 +304,8 @@ class EngineEvent(_Base):
     # Prefix cache (None when it is off): prompt tokens looked up and found at admission, cumulative.
     prefix_cache_queries_total: int | None = None
     prefix_cache_hits_total: int | None = None
+    # The speculation policy's totals (None without speculation, or from an engine that predates it).
+    spec_policy: SpecPolicyTotals | None = None
 
 
 class DropsEvent(_Base):
@@ -269,7 +319,7 @@ class DropsEvent(_Base):
 
 class SnapshotEvent(_Base):
     """Current state, sent first to a new subscriber: engine status, the latest pool and graph state per
-    runner, the requests not yet finished, and the last batch and acceptance events."""
+    runner, the requests not yet finished, and the last batch, acceptance and speculation-policy events."""
 
     type: Literal["snapshot"] = "snapshot"
     engine: EngineEvent | None = None
@@ -278,18 +328,19 @@ class SnapshotEvent(_Base):
     requests: list[RequestEvent] = Field(default_factory=list)
     last_batch: BatchEvent | None = None
     last_acceptance: AcceptanceEvent | None = None
+    last_spec_policy: SpecPolicyEvent | None = None
     dropped: dict[str, int] = Field(default_factory=dict)
 
 
 Event = Annotated[
-    BatchEvent | PoolEvent | GraphEvent | LogprobMetaEvent | AcceptanceEvent | RequestEvent | EngineEvent
-    | DropsEvent | SnapshotEvent,
+    BatchEvent | PoolEvent | GraphEvent | LogprobMetaEvent | AcceptanceEvent | SpecPolicyEvent | RequestEvent
+    | EngineEvent | DropsEvent | SnapshotEvent,
     Field(discriminator="type"),
 ]
 EVENT_TYPES: dict[str, type[BaseModel]] = {
     "batch": BatchEvent, "pool": PoolEvent, "graph": GraphEvent, "logprob_meta": LogprobMetaEvent,
-    "acceptance": AcceptanceEvent, "request": RequestEvent, "engine": EngineEvent, "drops": DropsEvent,
-    "snapshot": SnapshotEvent,
+    "acceptance": AcceptanceEvent, "spec_policy": SpecPolicyEvent, "request": RequestEvent, "engine": EngineEvent,
+    "drops": DropsEvent, "snapshot": SnapshotEvent,
 }
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)
 

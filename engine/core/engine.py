@@ -379,15 +379,18 @@ class Engine:
         return (cut.keep, cut.matched) if cut is not None else None
 
     def stats(self) -> dict[str, Any]:
-        """Host-side counters for the daemon's gauges and /debug: queue sizes, steps, spec totals."""
+        """Host-side counters for the daemon's gauges and /debug: queue sizes, steps, spec totals, the
+        speculation policy's snapshot (None for a target-only engine)."""
         sch = self.scheduler
         spec = getattr(self.worker, "stats", None)
+        policy = getattr(self.worker, "policy", None)
         return {"num_running": len(sch.running), "num_waiting": len(sch.waiting), "num_steps": sch.num_steps,
                 "num_preemptions": sch.num_preemptions, "load_time_s": round(self.load_time_s, 3),
                 "spec": spec.summary() if spec is not None else None,
                 "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None),
                 "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None,
-                "prefix_cache": self.prefix_cache_stats()}
+                "prefix_cache": self.prefix_cache_stats(),
+                "spec_policy": policy.snapshot() if policy is not None else None}
 
     def prefix_cache_stats(self) -> dict[str, Any] | None:
         """Prompt tokens looked up in and found in the prefix cache at admission (vLLM's queries and

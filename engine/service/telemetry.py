@@ -7,7 +7,9 @@ against the one row-count rule, and the per-rank token and logprob counts of the
 layout; the forwards inside a whole-iteration graph replay, which no runner observes, get theirs in
 `on_step` from the step report's descriptors), `on_step` (from the engine's `StepReport`: requests
 queued since the last step, the step's batch and any draft-extend batches, per-runner pool occupancy,
-acceptance, request lifecycle and per-token logprobs), `idle` and `status` (rates, graphs). Everything read here is a Python int, a list length or a tensor shape. Request events carry
+acceptance, the speculation policy's decision for the iteration applied (its depth, reason and gains;
+speculative engines only), request lifecycle and per-token logprobs), `idle` and `status` (rates,
+graphs, the policy's totals). Everything read here is a Python int, a list length or a tensor shape. Request events carry
 counts and lifecycle only: token ids, token text and logprobs (another user's output, readable by
 every subscriber) go into them only when the operator sets `server.events_include_text`.
 """
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from mleagle.engine.core.scheduler import StepReport
     from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardOutput, RowMeta
     from mleagle.engine.executor.runner import ModelRunner
+    from mleagle.engine.spec.policy import SpecPolicy
 
 
 class Telemetry:
@@ -103,6 +106,13 @@ class Telemetry:
                                         rids=list(main.rids) if main is not None else [],
                                         draft_time_s=last.draft_s, verify_time_s=last.verify_s,
                                         draft_time_per_layer_s=list(last.draft_layer_s)))
+        policy: SpecPolicy | None = getattr(w, "policy", None)  # a target-only worker has none
+        done = report.finished
+        if policy is not None and done is not None:  # a decode iteration's results: the plan it ran
+            plan = done.plan
+            bus.emit(ev.SpecPolicyEvent(step=step, bs=len(done.reqs), depth=plan.depth, S=policy.steps,
+                                        mode=policy.mode, reason=plan.reason, predicted_gain=plan.predicted_gain,
+                                        measured_gain=policy.measured_gain, catch_up=len(plan.catch_up)))
         for u in self.e.pool_usage():
             bus.emit(ev.PoolEvent(runner=u["runner"], kv_used=u["kv_used"], kv_total=u["kv_total"],
                                   kv_cached=u["kv_cached"], kv_evictable=u["kv_evictable"],
@@ -169,7 +179,8 @@ class Telemetry:
             mean_accept_len=stats.accept_len if stats is not None and stats.num_verify else None,
             steps_total=s.num_steps,
             prefix_cache_queries_total=s.prefix_queries if self.e.mem.cache is not None else None,
-            prefix_cache_hits_total=s.prefix_hits if self.e.mem.cache is not None else None))
+            prefix_cache_hits_total=s.prefix_hits if self.e.mem.cache is not None else None,
+            spec_policy=policy_totals(getattr(w, "policy", None))))
         it = getattr(self.e.worker, "iter_graph", None)
         if it is not None:  # the whole-iteration graphs (plain greedy batches), as one more graph runner
             self.bus.emit(ev.GraphEvent(runner="iteration", enabled=True, mode=self.e.runners[0].graphs.mode.value,  # type: ignore[union-attr]
@@ -182,3 +193,15 @@ class Telemetry:
                 buckets=list(g.buckets) if g is not None else [], replays=dict(g.stats.replays) if g is not None else {},
                 eager=dict(r.eager), capture_time_s=g.stats.capture_s if g is not None else None))
         self.last_status = now
+
+
+def policy_totals(p: SpecPolicy | None) -> ev.SpecPolicyTotals | None:
+    """The speculation policy's totals for the engine status (None: a target-only engine)."""
+    if p is None:
+        return None
+    st = p.stats
+    return ev.SpecPolicyTotals(
+        mode=p.mode, iterations_by_depth=list(st.iterations_by_depth), tokens_gained=st.tokens_gained,
+        explore_iterations=st.explore_iterations, switches=st.switches, catch_ups=st.catch_ups,
+        catch_up_positions=st.catch_up_positions, catch_up_s=st.catch_up_s, choose_calls=st.choose_calls,
+        choose_mean_s=st.choose_s / st.choose_calls if st.choose_calls else 0.0)

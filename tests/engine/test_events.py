@@ -1,12 +1,15 @@
 """Event schema, recordings, the bounded event bus, the state tracker and the ZMQ transport.
 
 Every event type must survive dump → parse unchanged; malformed input must be rejected with a clear
-error; the bus and the publisher must stay bounded and count what they drop when nobody reads.
+error; the bus and the publisher must stay bounded and count what they drop when nobody reads. A real
+tiny speculative engine under the `cycle` policy, with telemetry attached, reports every depth it ran
+(and a target-only engine reports no policy at all).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from pathlib import Path
@@ -35,6 +38,8 @@ from mleagle.engine.contract.events import (
     RecordingWriter,
     RequestEvent,
     SnapshotEvent,
+    SpecPolicyEvent,
+    SpecPolicyTotals,
     TokenEvent,
     TopToken,
     dump_event,
@@ -42,6 +47,8 @@ from mleagle.engine.contract.events import (
     read_recording,
     write_recording,
 )
+from mleagle.engine.service.telemetry import Telemetry
+from tests.spec_helpers import greedy, tiny_engine
 
 SAMPLE = Path(__file__).parents[1] / "data" / "events_sample.jsonl"
 
@@ -58,15 +65,20 @@ def one_of_each() -> list:
     acc = AcceptanceEvent(step=3, S=2, bs=2, accepted_per_depth=[2, 1], accept_lens=[3, 2], rids=["a", "b"],
                           draft_time_s=0.002, verify_time_s=0.004, draft_time_per_layer_s=[0.001, 0.001])
     req = RequestEvent(rid="a", state="running", prompt_tokens=5, output_tokens=3, tokens=[tok], accept_len=2.5)
+    pol = SpecPolicyEvent(step=3, bs=2, depth=1, S=2, mode="auto", reason="switch", predicted_gain=1.25,
+                          measured_gain=1.1, catch_up=2)
+    tot = SpecPolicyTotals(mode="auto", iterations_by_depth=[4, 7, 2], tokens_gained=9, explore_iterations=6,
+                           switches=3, catch_ups=2, catch_up_positions=6, catch_up_s=0.003, choose_calls=13,
+                           choose_mean_s=6e-6)
     eng = EngineEvent(model="smollm2-135m", draft="oracle", spec_steps=2, device="cpu", dtype="float32",
                       uptime_s=12.5, num_running=2, num_waiting=1, gen_tokens_total=100, gen_tokens_per_s=33.3,
-                      mean_accept_len=2.5)
+                      mean_accept_len=2.5, spec_policy=tot)
     lpm = LogprobMetaEvent.build(runner="target", mode="TARGET_VERIFY", bs=2, width=3, logit_rows=6,
                                  global_num_tokens=[6], global_num_tokens_for_logprob=[6], expected_rows=6, step=3)
     drops = DropsEvent(stage="engine", dropped={"batch": 3})
     snap = SnapshotEvent(engine=eng, pools=[pool], graphs=[graph], requests=[req], last_batch=batch,
-                         last_acceptance=acc, dropped={"batch": 3})
-    return [pool, graph, batch, acc, req, eng, lpm, drops, snap]
+                         last_acceptance=acc, last_spec_policy=pol, dropped={"batch": 3})
+    return [pool, graph, batch, acc, pol, req, eng, lpm, drops, snap]
 
 
 def test_every_type_round_trips() -> None:
@@ -116,6 +128,8 @@ def test_logprob_meta_agree_rule() -> None:
          "kv_used"),
         ('{"type": "logprob_meta", "runner": "t", "mode": "DECODE", "bs": 1, "logit_rows": 1}', "agree"),
         ('{"type": "engine", "v": 999}', "schema version"),
+        ('{"type": "spec_policy", "step": 1, "bs": 1, "S": 2}', "depth"),
+        ('{"type": "engine", "spec_policy": {"iterations_by_depth": "lots"}}', "iterations_by_depth"),
     ],
 )
 def test_malformed_rejected(raw: str | bytes, needle: str) -> None:
@@ -127,6 +141,9 @@ def test_unknown_fields_ignored_for_forward_compat() -> None:
     e = parse_event({"type": "pool", "runner": "target", "kv_used": 1, "kv_total": 2, "req_used": 0,
                      "req_total": 1, "new_field_from_a_newer_engine": [1, 2]})
     assert isinstance(e, PoolEvent) and e.kv_total == 2
+    # a status from an engine that predates the policy's totals (or one without speculation)
+    old = parse_event({"type": "engine", "model": "m", "spec_steps": 2})
+    assert isinstance(old, EngineEvent) and old.spec_policy is None
 
 
 def test_recording_round_trip_and_bad_lines(tmp_path: Path) -> None:
@@ -140,7 +157,7 @@ def test_recording_round_trip_and_bad_lines(tmp_path: Path) -> None:
         f.write("garbage\n\n" + '{"type":"batch"}\n' + dump_event(evs[0]) + "\n")
     rec = read_recording(p)
     assert rec.bad_lines == 2 and len(rec.events) == len(evs) + 1
-    with pytest.raises(EventError, match=":11:"):
+    with pytest.raises(EventError, match=f":{len(evs) + 2}:"):  # the header, the events, then the garbage
         read_recording(p, strict=True)
     q = tmp_path / "noheader.jsonl"
     q.write_text(dump_event(evs[0]) + "\n")
@@ -213,6 +230,8 @@ def test_state_tracker_snapshot() -> None:
     st.apply(RequestEvent(rid="a", state="finished", finish_reason="stop"))
     assert {r.rid for r in st.snapshot().requests} == {"b"}
     assert snap.last_batch.step == 3 and snap.engine.model == "smollm2-135m" and snap.dropped == {"batch": 3}
+    assert snap.last_spec_policy is not None and snap.last_spec_policy.reason == "switch"
+    assert snap.engine.spec_policy is not None and snap.engine.spec_policy.iterations_by_depth == [4, 7, 2]
     # a snapshot folded into a fresh tracker reproduces itself
     st2 = StateTracker()
     st2.apply(parse_event(dump_event(snap)))
@@ -270,3 +289,64 @@ def test_zmq_slow_subscriber_never_blocks_publisher() -> None:
         sub.close(linger=0)
         pub.close()
         ctx.term()
+
+
+# --- a real engine's speculation-policy events -------------------------------------------------------
+
+
+def test_spec_policy_events_from_a_real_engine() -> None:
+    """Under `cycle` (depths 0, 1, ..., S in turn) every decode step reports the depth its iteration ran,
+    the same as its target batch shows (depth 0: a plain DECODE of one token per request and no
+    acceptance event; depth d: a TARGET_VERIFY of d + 1 with one), its reason and, where a deeper
+    iteration follows a shallower one, the requests whose draft layers caught up first; the status
+    totals count exactly these iterations and the drafts their acceptance events accepted."""
+    e = tiny_engine("random:3:2", spec_policy="cycle")
+    bus = EventBus()
+    tel = Telemetry.attach(e, bus)
+    e.add_request("a", list(range(5, 17)), greedy(14))
+    e.add_request("b", list(range(30, 38)), greedy(10))
+    while e.has_work():
+        e.step()
+    tel.status()
+    evs = bus.drain()
+    pol = [x for x in evs if isinstance(x, SpecPolicyEvent)]
+    s = 3
+    assert len(pol) >= 2 * (s + 1) and {x.S for x in pol} == {s}
+    assert {x.depth for x in pol} == set(range(s + 1))
+    assert all(b.depth == (a.depth + 1) % (s + 1) for a, b in itertools.pairwise(pol))  # one depth after another
+    assert {x.reason for x in pol} == {x.mode for x in pol} == {"cycle"}
+    assert all(x.predicted_gain == 0.0 for x in pol)  # a fixed order predicts nothing
+    target = {x.step: x for x in evs if isinstance(x, BatchEvent) and x.runner == "target"}
+    acc = {x.step: x for x in evs if isinstance(x, AcceptanceEvent)}
+    for x in pol:
+        b = target[x.step]
+        assert b.mode == ("DECODE" if x.depth == 0 else "TARGET_VERIFY") and b.bs == x.bs
+        assert b.num_tokens == x.bs * (x.depth + 1)
+        assert (x.step in acc) == (x.depth > 0)
+    # depth 0 leaves every draft layer behind, so the next (deeper) iteration catches its requests up
+    assert all(x.catch_up == 0 for x in pol if x.depth == 0)
+    assert all(b.catch_up == b.bs for a, b in itertools.pairwise(pol) if a.depth == 0)
+    tot = [x for x in evs if isinstance(x, EngineEvent)][-1].spec_policy
+    assert tot is not None and tot.mode == "cycle"
+    assert tot.iterations_by_depth == [sum(x.depth == d for x in pol) for d in range(s + 1)]
+    assert tot.choose_calls == len(pol) and tot.choose_mean_s > 0
+    assert tot.switches == len(pol)  # every choice changed the depth (the first from S, the initial one)
+    assert tot.tokens_gained == sum(sum(a.accept_lens) - len(a.accept_lens) for a in acc.values())
+    assert tot.catch_ups > 0 and tot.catch_up_positions >= tot.catch_ups and tot.catch_up_s > 0
+    st = StateTracker()
+    for x in evs:
+        st.apply(x)
+    assert st.snapshot().last_spec_policy == pol[-1]
+
+
+def test_target_only_engine_reports_no_policy() -> None:
+    e = tiny_engine()
+    bus = EventBus()
+    tel = Telemetry.attach(e, bus)
+    e.generate([list(range(5, 12))], greedy(4))
+    tel.status()
+    evs = bus.drain()
+    assert any(isinstance(x, BatchEvent) and x.mode == "DECODE" for x in evs)
+    assert not any(isinstance(x, SpecPolicyEvent) for x in evs)
+    assert [x for x in evs if isinstance(x, EngineEvent)][-1].spec_policy is None
+    assert e.stats()["spec_policy"] is None

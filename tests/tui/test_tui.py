@@ -49,7 +49,7 @@ def test_tui_imports_without_torch() -> None:
                     raise ImportError("torch is blocked in this test")
         sys.meta_path.insert(0, Block())
         import mleagle.tui.app, mleagle.tui.source, mleagle.tui.model
-        from mleagle.tui.panels import overview, batches, pools, graphs, logprobs, acceptance, requests
+        from mleagle.tui.panels import overview, batches, pools, graphs, logprobs, acceptance, requests, policy
         import mleagle.engine.contract.events, mleagle.engine.contract.event_bus
         app = mleagle.tui.app.build_app(["--replay", sys.argv[1], "--speed", "0"])
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "transformers"))
@@ -99,9 +99,11 @@ async def test_replay_keys_drilldown_help() -> None:
         await until(pilot, lambda: src.done)
         assert app.model.events == src.total == len(read_recording(SAMPLE).events)
         assert app.conn_status.state == "ended"
-        for i, tid in enumerate(["overview", "batches", "pools", "graphs", "logprobs", "acceptance", "requests"]):
+        for i, tid in enumerate(["overview", "batches", "pools", "graphs", "logprobs", "acceptance", "requests",
+                                 "policy"]):
             await pilot.press(str(i + 1))
             assert app.query_one("#tabs").active == tid
+        await pilot.press("7")  # back to the requests for the drill-down
         await pilot.pause()
         table = app.query_one("#requests-table", DataTable)
         assert table.row_count == 6 and app.focused is table

@@ -1,8 +1,8 @@
 """mleagle-tui on real data: SVG snapshots of every panel on a recording of a real session (SmolLM2 on
 the CPU with its shipped 3-layer draft, made by scripts/record_events_real.py), and the app headless against
-a live `mleagle serve` (tiny-dummy, `--draft random:2`): it shows the batches, pools and acceptance of
-a request it did not send itself, and reconnects when the daemon is killed and started again on the
-same port.
+a live `mleagle serve` (tiny-dummy, `--draft random:2`): it shows the batches, pools, acceptance and
+speculation-policy decisions of a request it did not send itself, and reconnects when the daemon is
+killed and started again on the same port.
 """
 
 from __future__ import annotations
@@ -124,6 +124,12 @@ async def test_app_against_live_daemon() -> None:
             await pilot.press("6")
             await pilot.pause(0.1)
             assert app.query_one("#tabs").active == "acceptance"
+            # the speculation policy's decisions (the default, auto) reach the Policy tab too
+            last = m.tracker.last_spec_policy
+            assert m.by_type["spec_policy"] > 0 and last is not None and last.S == 2 and last.mode == "auto"
+            await pilot.press("8")
+            await pilot.pause(0.1)
+            assert f"mode auto   S 2   S' {last.depth}" in screen_text(app)
     finally:
         await asyncio.to_thread(srv.terminate)
 
