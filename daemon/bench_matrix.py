@@ -489,8 +489,8 @@ def legend(rep: dict[str, Any]) -> str:
     reqs = ", ".join(f"c{c}: {n}" for c, n in s["requests"].items())
     return (f"{rep['model']} on {where}; {s['dataset']} ({s['endpoint']}), max_tokens {s['max_tokens']}, greedy, "
             f"{'ignore_eos' if s['ignore_eos'] else 'natural EOS'}; requests per run {reqs}; "
-            f"{s['warmup']} warm-up requests per server; median over {s['repeats']} repeats (min-max), a fresh "
-            f"server per arm per repeat, arm order rotating; ratios paired within a repeat.")
+            f"{s['warmup']} warm-up requests per server; median over {s['repeats']} repeat{'s' * (s['repeats'] != 1)} "
+            "(min-max), a fresh server per arm per repeat, arm order rotating; ratios paired within a repeat.")
 
 
 def save(rep: dict[str, Any], path: str | None) -> None:
