@@ -228,7 +228,7 @@ class Server(Child):
                     return time.monotonic() - t0
             time.sleep(0.2)
         state = f"exited with {self.proc.returncode}" if self.proc.poll() is not None else f"not ready in {timeout:.0f}s"
-        raise RuntimeError(f"{self.what}: server {state}; its last output:\n{self.tail()}")
+        raise RuntimeError(f"server {state}")
 
 
 # --- the plan ---------------------------------------------------------------------------------------
@@ -346,7 +346,8 @@ def served_session(a: argparse.Namespace, arm: Arm, rep: int, order: int, concs:
                 log(f"{tag}: WARNING: the engine restarted {dbg['restarts']} times during the session")
     except Exception as e:  # one broken arm must not take the others' results with it
         rec["error"] = f"{type(e).__name__}: {e}"
-        log(f"{tag}: FAILED: {rec['error']}\n{srv.tail()}")
+        rec["server"]["log_tail"] = list(srv.lines)
+        log(f"{tag}: FAILED: {rec['error']}; the server's last output:\n{srv.tail()}")
     finally:
         srv.note_kids()
         rec["server"]["pids"] = srv.pids()
@@ -588,7 +589,10 @@ def bench_matrix_main(argv: list[str] | None = None) -> int:
                 for j, arm in enumerate(order):
                     tag = f"r{k + 1}-{arm.name}"
                     rec = served_session(a, arm, k, j, concs, tag, rep["runs"])
-                    if a.offline:
+                    if a.offline and "ready_s" not in rec["server"]:
+                        # The replay builds the same engine: it would fail the same way, only later.
+                        rec["offline"] = {"results": [], "error": "skipped: the server never became ready"}
+                    elif a.offline:
                         rec["offline"] = offline_session(a, arm, specs[arm.name], Path(tmp), tag + "-offline")
                         if rep["machine"].get("offline_engine") is None and rec["offline"].get("machine"):
                             rep["machine"]["offline_engine"] = rec["offline"]["machine"]

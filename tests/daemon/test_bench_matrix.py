@@ -1,8 +1,8 @@
 """`mleagle bench serve-matrix`, run as the command it is: real servers on the CPU (a tiny random model
 with SmolLM2's tokenizer, so chat works and nothing is downloaded), two arms, the offline replay; every
 cell of the JSON and the table filled, the ratio taken against the baseline, no process left behind,
-also when the benchmark is stopped by SIGTERM mid-run. The summary's statistics are checked apart on
-made-up runs (no server)."""
+also when the benchmark is stopped by SIGTERM mid-run or a server cannot start. The summary's
+statistics are checked apart on made-up runs (no server)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,21 @@ def test_sigterm_mid_run_stops_the_server(tmp_path: Path) -> None:
     while not all(gone(x) for x in pids) and time.monotonic() < end:
         time.sleep(0.1)
     assert all(gone(x) for x in pids), pids
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_is_reported_and_reaped(tmp_path: Path) -> None:
+    # The flags pass `serve`'s checks; the engine fails only when it loads the draft.
+    cmd = matrix_cmd(tmp_path, "--arm", f"bad=--draft {tmp_path / 'no-such-draft'}", "--repeats", "1",
+                     "--max-tokens", "8", "--warmup", "0", "--offline")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-4000:]
+    (run,) = json.loads((tmp_path / "m.json").read_text())["runs"]
+    assert run["error"] == "RuntimeError: server exited with 1" and run["server"]["exit_code"] == 1
+    assert any("no-such-draft" in ln for ln in run["server"]["log_tail"])
+    assert run["offline"]["error"].startswith("skipped")
+    assert "| 1 | bad | - |" in r.stdout
+    assert all(gone(p) for p in run["server"]["pids"])
 
 
 def test_summary_medians_ranges_and_paired_ratios() -> None:
