@@ -1,7 +1,8 @@
 """The `mleagle` command: dispatches to the subcommand's own module, importing only what it needs.
 
 `generate` and `bench` run the engine in-process (torch); `serve` starts the daemon, which itself
-never imports torch; `bench serve` is the online load generator against a running server.
+never imports torch; `bench serve` is the online load generator against a running server, and
+`bench serve-matrix` starts servers of its own and runs it over configurations and concurrencies.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ commands:
   generate      offline generation with the engine (see mleagle generate --help)
   bench         offline throughput benchmark vs HF transformers (mleagle bench --help)
   bench serve   online load generator against a running server (mleagle bench serve --help)
+  bench serve-matrix  starts servers for several configurations, runs bench serve at several
+                concurrencies with repeats, optionally replays offline (mleagle bench serve-matrix --help)
   bench gpu     GPU benchmark through Engine.generate: graphs, eager, speculation, HF (mleagle bench gpu --help)
   bench prefix  prefix cache on against off: TTFT, prompt tokens computed, acceptance (mleagle bench prefix --help)
   bench structured  JSON-schema constraint against free decoding, with and without the draft (CPU)
@@ -41,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["structured"]:
         from mleagle.engine.entrypoints.bench_structured import main as run
+
+        rest = rest[1:]
+    elif cmd == "bench" and rest[:1] == ["serve-matrix"]:
+        from mleagle.daemon.bench_matrix import bench_matrix_main as run
 
         rest = rest[1:]
     elif cmd == "bench" and rest[:1] == ["serve"]:

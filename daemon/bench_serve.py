@@ -60,14 +60,21 @@ class Result:
     chunks: int = 0
 
 
-async def one(s: aiohttp.ClientSession, args: argparse.Namespace, model: str, p: str) -> Result:
-    chat = args.endpoint == "chat"
+def request_body(args: argparse.Namespace, model: str, p: str) -> dict[str, Any]:
+    """The JSON body sent for prompt `p` (also what `bench serve-matrix` maps to the offline replay's
+    sampling parameters, so both paths run the same request)."""
     body: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
                             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
-    if chat:
+    if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": p}]
     else:
         body["prompt"] = p
+    return body
+
+
+async def one(s: aiohttp.ClientSession, args: argparse.Namespace, model: str, p: str) -> Result:
+    chat = args.endpoint == "chat"
+    body = request_body(args, model, p)
     url = args.url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     r = Result()
     t0 = time.perf_counter()
@@ -152,9 +159,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               "daemon_torch_loaded": d.get("daemon", {}).get("torch_loaded")}
         except aiohttp.ClientError:
             pass
-    ok = [r for r in results if r.ok]
-    out_tok = sum(r.output_tokens for r in ok)
-    in_tok = sum(r.prompt_tokens for r in ok)
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -163,17 +167,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "url": args.url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
         "num_prompts": len(prompts), "rate": args.rate, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "temperature": args.temperature,
+        **summarize(results, dur),
+        "server": server,
+        "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
+    }
+
+
+def summarize(results: list[Result], dur: float) -> dict[str, Any]:
+    """Counts, throughput and latency percentiles of one run's requests over `dur` seconds (also used
+    for `bench serve-matrix`'s offline replay, so both paths are measured by the same definitions)."""
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    d = max(dur, 1e-9)  # an empty run (every request refused at once) has no duration to divide by
+    return {
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": dur, "request_throughput": len(ok) / dur,
-        "output_throughput": out_tok / dur, "total_token_throughput": (out_tok + in_tok) / dur,
+        "duration_s": dur, "request_throughput": len(ok) / d,
+        "output_throughput": out_tok / d, "total_token_throughput": (out_tok + in_tok) / d,
         "prompt_tokens": in_tok, "output_tokens": out_tok,
         "mean_tokens_per_chunk": out_tok / max(1, sum(r.chunks for r in ok)),
         "ttft_ms": pct([r.ttft for r in ok]), "itl_ms": pct([x for r in ok for x in r.itl]),
         "e2e_ms": pct([r.e2e for r in ok]),
         "tpot_ms": pct([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-        "server": server,
-        "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
     }
 
 

@@ -1,0 +1,158 @@
+"""`mleagle bench serve-matrix`, run as the command it is: real servers on the CPU (a tiny random model
+with SmolLM2's tokenizer, so chat works and nothing is downloaded), two arms, the offline replay; every
+cell of the JSON and the table filled, the ratio taken against the baseline, no process left behind,
+also when the benchmark is stopped by SIGTERM mid-run or a server cannot start. The summary's
+statistics are checked apart on made-up runs (no server)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mleagle.daemon.bench_matrix import METRICS, parse_arm, summary
+from tests.spec_helpers import TINY_TOK
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["Say hi.", "Name a colour.", "Count to three."]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (it has exited; its parent has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def matrix_cmd(tmp_path: Path, *extra: str) -> list[str]:
+    cfg, data = tmp_path / "tiny-tok.toml", tmp_path / "prompts.jsonl"
+    cfg.write_text(TINY_TOK)
+    data.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in PROMPTS))
+    return [sys.executable, "-m", "mleagle.cli", "bench", "serve-matrix", "--config", str(cfg), "--device", "cpu",
+            "--dataset", str(data), "--concurrency", "1", "--min-requests", "1", "--output", str(tmp_path / "m.json"),
+            *extra]
+
+
+@pytest.mark.slow
+def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
+    md = tmp_path / "m.md"
+    cmd = matrix_cmd(tmp_path, "--arm", "target=--draft none", "--arm", "spec=--draft random:2", "--baseline", "target",
+                     "--repeats", "1", "--requests-per-concurrency", "2", "--max-tokens", "8", "--warmup", "1",
+                     "--offline", "--markdown", str(md))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rep = json.loads((tmp_path / "m.json").read_text())
+    assert [(x["arm"], x["repeat"]) for x in rep["runs"]] == [("target", 0), ("spec", 0)]
+    assert rep["arms"]["spec"]["flags"] == ["--draft", "random:2"] and rep["arms"]["spec"]["engine"]["draft"] == "random:2"
+    assert rep["settings"]["requests"] == {"1": 2} and rep["machine"]["cores"] and not rep["interrupted"]
+    tok = {}
+    for x in rep["runs"]:
+        assert x["error"] is None and x["server"]["exit_code"] == 0, x
+        (res,) = x["results"]  # the raw `bench serve` result
+        assert res["concurrency"] == 1 and res["num_prompts"] == 2 and res["completed"] == 2 and res["max_tokens"] == 8
+        assert res["output_tokens"] > 0 and res["command"].startswith("mleagle bench serve --url http://127.0.0.1:")
+        tok[x["arm"]] = res["output_throughput"]
+        off = x["offline"]
+        assert off["error"] is None and off["draft"] == rep["arms"][x["arm"]]["engine"]["draft"]
+        (ores,) = off["results"]
+        assert ores["completed"] == 2 and ores["output_throughput"] > 0
+    rows = {row["arm"]: row for row in rep["summary"]}
+    assert set(rows) == {"target", "spec"}
+    for row in rows.values():
+        for k in [m for m, _, _ in METRICS] + ["vs_baseline", "offline_out_tok_s", "served_over_offline"]:
+            assert row[k] is not None and row[k]["n"] == 1, (row["arm"], k)
+        assert row["failed"] == 0
+    assert rows["target"]["vs_baseline"]["median"] == 1.0
+    assert rows["spec"]["vs_baseline"]["median"] == pytest.approx(tok["spec"] / tok["target"])
+    # The table: one row per (concurrency, arm), every cell filled, the same on stdout and in the file.
+    assert md.read_text().strip() in r.stdout
+    body = [ln for ln in md.read_text().splitlines() if re.match(r"\| 1 \| (target|spec) \|", ln)]
+    assert len(body) == 2 and all("| - |" not in ln for ln in body), body
+    assert "| vs target |" in md.read_text() and "| served/offline |" in md.read_text()
+    # Both daemons and both engines are gone.
+    pids = [p for x in rep["runs"] for p in x["server"]["pids"]]
+    assert len(pids) >= 4 and all(gone(p) for p in pids), pids
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_stops_the_server(tmp_path: Path) -> None:
+    cmd = matrix_cmd(tmp_path, "--arm", "t=--draft none", "--repeats", "3", "--requests-per-concurrency", "200",
+                     "--max-tokens", "64", "--warmup", "0")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    err: list[str] = []
+    try:
+        assert p.stderr is not None
+        for line in p.stderr:
+            err.append(line)
+            m = re.search(r"daemon pid (\d+), engine pid (\d+)", line)
+            if m:
+                pids = [int(m[1]), int(m[2])]
+            if "concurrency 1, 200 requests" in line:
+                break
+        assert len(pids) == 2, "".join(err)
+        time.sleep(0.5)  # requests in flight
+        p.send_signal(signal.SIGTERM)
+        out, rest = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, "".join(err) + rest
+    assert "interrupted" in rest and "| 1 | t |" in out  # what finished is still reported
+    rep = json.loads((tmp_path / "m.json").read_text())
+    assert rep["interrupted"] and rep["runs"][0]["server"]["pids"][:1] == pids[:1]
+    end = time.monotonic() + 10
+    while not all(gone(x) for x in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert all(gone(x) for x in pids), pids
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_is_reported_and_reaped(tmp_path: Path) -> None:
+    # The flags pass `serve`'s checks; the engine fails only when it loads the draft.
+    cmd = matrix_cmd(tmp_path, "--arm", f"bad=--draft {tmp_path / 'no-such-draft'}", "--repeats", "1",
+                     "--max-tokens", "8", "--warmup", "0", "--offline")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-4000:]
+    (run,) = json.loads((tmp_path / "m.json").read_text())["runs"]
+    assert run["error"] == "RuntimeError: server exited with 1" and run["server"]["exit_code"] == 1
+    assert any("no-such-draft" in ln for ln in run["server"]["log_tail"])
+    assert run["offline"]["error"].startswith("skipped")
+    assert "| 1 | bad | - |" in r.stdout
+    assert all(gone(p) for p in run["server"]["pids"])
+
+
+def test_summary_medians_ranges_and_paired_ratios() -> None:
+    def run(arm: str, rep: int, tok: float, ttft: float) -> dict:
+        res = {"concurrency": 8, "failed": 0, "output_throughput": tok, "request_throughput": tok / 100,
+               "ttft_ms": {"p50": ttft, "p90": 2 * ttft}, "itl_ms": {"p50": 1.0, "p99": 3.0}}
+        off = {"concurrency": 8, "output_throughput": 2 * tok}
+        return {"arm": arm, "repeat": rep, "results": [res], "offline": {"results": [off]}}
+
+    # The machine drifts between repeats; within one, "b" is always 1.5x "a".
+    runs = [run("a", 0, 100, 10), run("b", 0, 150, 5), run("b", 1, 300, 6), run("a", 1, 200, 20),
+            run("a", 2, 400, 30), run("b", 2, 600, 7)]
+    rows = {r["arm"]: r for r in summary(runs, ["a", "b"], [8], "a")}
+    a, b = rows["a"], rows["b"]
+    assert a["out_tok_s"] == {"median": 200, "min": 100, "max": 400, "n": 3}
+    assert b["ttft_p50_ms"] == {"median": 6, "min": 5, "max": 7, "n": 3} and b["ttft_p90_ms"]["median"] == 12
+    assert a["vs_baseline"]["median"] == 1.0
+    assert b["vs_baseline"] == pytest.approx({"median": 1.5, "min": 1.5, "max": 1.5, "n": 3})  # paired, not 300/200
+    assert b["served_over_offline"]["median"] == 0.5 and b["offline_out_tok_s"]["median"] == 600
+
+
+def test_arm_flags_are_checked_like_serve() -> None:
+    arm = parse_arm("always=--spec-policy always --max-running-requests 8", ["--config", "tiny-dummy"])
+    assert arm.argv == ["--config", "tiny-dummy", "--spec-policy", "always", "--max-running-requests", "8"]
+    assert arm.cfg.engine.spec_policy == "always" and arm.cfg.engine.max_running_requests == 8
+    assert parse_arm("auto=", []).flags == []
+    for bad in ("no-equals-sign", "x=--spec-policy sometimes", "x=--max-running-requests -1"):
+        with pytest.raises(ValueError):
+            parse_arm(bad, [])
