@@ -318,6 +318,8 @@ class Engine:
             self.scheduler.abort(msg[1])
         elif msg[0] == "reset_cache":
             self.mem.reset_cache()
+        elif msg[0] == "reset_counters":
+            self.worker.reset_counters()
         elif msg[0] == "spec_cost":  # rank 0's iteration timings: every rank's policy learns the same
             self.worker.policy.apply_published(msg[1])  # type: ignore[attr-defined]
         else:
@@ -361,6 +363,8 @@ class Engine:
         s, w = self.scheduler, self.worker
         s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = 0
         w.reset_counters()
+        if self.control is not None:  # the speculation policy forgets too, on every rank alike
+            self.control.submit(("reset_counters",))
         self._seeds = itertools.count()
         self._added = []
         return time.perf_counter() - t0
