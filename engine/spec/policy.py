@@ -15,7 +15,10 @@ first, which measures every a_j), the runner-up is tried again every `explore_ev
 bucket (costs and acceptance drift with the traffic), and a new best depth must beat the current one
 by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
 switch up makes the draft layers that fell behind catch up, see `SpecWorker`; its measured time is
-fed back through `observe_catch_up`).
+fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
+`auto` chooses between depth 0 and S (`choices`): a depth in between leaves the layers past it behind,
+so every return to S would pay a catch-up, and on the machines measured it never beat both ends
+(results/BENCH_POLICY.md); the worker runs any depth (`cycle` exercises them all).
 
 Modes: `auto` (the above), `always` (depth S, the fixed behaviour), `off` (depth 0, the draft never
 runs; its layers are not even prefilled), and `cycle` (0, 1, …, S, 0, … one per iteration: for tests
@@ -78,12 +81,16 @@ class PolicyStats:
 class SpecPolicy:
     def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.01,
                  margin: float = 0.03, min_samples: int = 3, window: int = 9, horizon: int = 64,
-                 publish: bool = False):
+                 dwell: int = 16, choices: list[int] | None = None, publish: bool = False):
         if mode not in MODES:
             raise ValueError(f"spec policy {mode!r}: choose one of {', '.join(MODES)}")
         self.mode, self.steps = mode, steps
         self.explore_every, self.acc_alpha, self.margin = explore_every, acc_alpha, margin
-        self.min_samples, self.window, self.horizon = min_samples, window, horizon
+        self.min_samples, self.window, self.horizon, self.dwell = min_samples, window, horizon, dwell
+        # The depths `auto` chooses from: none and all by default (each depth in between would make the
+        # layers past it fall behind and catch up on every switch; `cycle` runs every depth).
+        self.choices = sorted(set(choices)) if choices is not None else sorted({0, steps})
+        self._since: Counter[int] = Counter()  # bucket -> visits since its last switch
         self.publish = publish  # tensor parallelism: timings travel through the control channel
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
         self.samples: Counter[tuple[int, int]] = Counter()
@@ -133,26 +140,31 @@ class SpecPolicy:
             return Decision((self._cycle - 1) % (s + 1), "cycle")
         b = size_bucket(bs)
         self.visits[b] += 1
-        for d in [s, 0, *range(1, s)]:  # the full depth first: it measures every acceptance rate
+        self._since[b] += 1
+        # The deepest first: it measures every acceptance rate.
+        for d in sorted(self.choices, key=lambda d: (d != s, d)):
             if self.samples[(b, d)] < self.min_samples:
                 self.stats.explore_iterations += 1
                 return Decision(d, "explore: not measured yet")
-        rates = {d: self.rate(b, d) for d in range(s + 1)}
+        rates = {d: self.rate(b, d) for d in self.choices}
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)
         if best != cur:
             # A deeper depth first pays a catch-up: worth it only if it saves more over `horizon`
             # iterations (the time one iteration at the new depth saves against the current rate).
+            # And no switch back within `dwell` visits of the last: noise must not flip it each step.
             up = self.catch_up_cost / (self.horizon * self.cost[(b, best)]) if best > cur else 0.0
-            if rates[best] < rates[cur] * (1 + self.margin + up):
+            if rates[best] < rates[cur] * (1 + self.margin + up) or self._since[b] < self.dwell:
                 best = cur
         reason = "best" if best == cur else "switch"
+        if best != cur:
+            self._since[b] = 0
         self.current[b] = best
         if self.visits[b] % self.explore_every == 0:
             second = max((d for d in rates if d != best), key=lambda d: rates[d])
             self.stats.explore_iterations += 1
-            return Decision(second, "explore: runner-up", rates[second] / rates[0])
-        return Decision(best, reason, rates[best] / rates[0])
+            return Decision(second, "explore: runner-up", rates[second] / rates[0] if 0 in rates else 0.0)
+        return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
 
     # --- learning ------------------------------------------------------------------------------
     def observe(self, bs: int, depth: int, accepted: list[int], seconds: float | None) -> None:
@@ -211,7 +223,8 @@ class SpecPolicy:
         """Forget everything learned (the engine's warm-up runs shapes that are not the traffic)."""
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
-                      window=self.window, horizon=self.horizon, publish=self.publish)
+                      window=self.window, horizon=self.horizon, dwell=self.dwell, choices=self.choices,
+                      publish=self.publish)
 
     def snapshot(self) -> dict[str, object]:
         """Host values for events and `/debug`: the mode, the last decision, the rates and costs."""

@@ -143,9 +143,12 @@ class SpecWorker(TargetWorker):
         return self.steps
 
     def graph_depths(self) -> list[int]:
-        """Every depth the policy may choose: 0..S under `auto` and `cycle`, else its one depth."""
-        if self.policy.mode in ("auto", "cycle"):
+        """Every depth the policy may choose: its choices under `auto` (0 and S), 0..S under `cycle`,
+        else its one depth."""
+        if self.policy.mode == "cycle":
             return list(range(self.steps + 1))
+        if self.policy.mode == "auto":
+            return list(self.policy.choices)
         return [self.steps if self.drafting else 0]
 
     @property

@@ -142,13 +142,18 @@ def test_policy_picks_the_most_tokens_per_second() -> None:
     q = SpecPolicy("auto", 3)
     _teach(q, 8, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, acc=0.0)
     assert q.choose(8).depth == 0
-    assert q.stats.explore_iterations >= 8  # every depth measured twice first
+    assert q.stats.iterations_by_depth == [37, 0, 0, 3]  # S measured 3 times first, then 0; nothing between
+    # Intermediate depths when asked for: each measured, and with every depth costing the same and
+    # every draft accepted, the deepest wins.
+    m = SpecPolicy("auto", 3, choices=[0, 1, 2, 3])
+    _teach(m, 4, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}, acc=1.0)
+    assert m.choose(4).depth == 3 and all(n > 0 for n in m.stats.iterations_by_depth)
     # Buckets are separate: a batch of 8 learned nothing for a batch of 1.
     assert q.choose(1).reason.startswith("explore")
 
 
 def test_policy_switches_only_on_a_clear_gain_and_explores_the_runner_up() -> None:
-    p = SpecPolicy("auto", 2, explore_every=16, margin=0.05)
+    p = SpecPolicy("auto", 2, explore_every=16, margin=0.05, choices=[0, 1, 2], dwell=1)
     _teach(p, 2, {0: 1.0, 1: 1.5, 2: 2.0}, acc=0.0)  # depth 0 best by far
     assert p.choose(2).depth == 0
     # Depth 1 becomes 2 % better than depth 0 (acceptance 0.53 at cost 1.5): under the margin, no switch.
@@ -160,12 +165,24 @@ def test_policy_switches_only_on_a_clear_gain_and_explores_the_runner_up() -> No
     assert p.choose(2).depth == 1
 
 
+def test_a_switch_holds_for_its_dwell() -> None:
+    """Right after a switch the depth holds for `dwell` visits, whatever noise says meanwhile."""
+    p = SpecPolicy("auto", 2, dwell=8, margin=0.0)
+    _teach(p, 2, {0: 1.0, 2: 1.0}, acc=1.0)  # depth 2: three tokens for the price of one
+    assert p.choose(2).depth == 2
+    p.acc = [0.0, 0.0]  # now depth 0 is better: it switches
+    assert p.choose(2).depth == 0
+    p.acc = [1.0, 1.0]  # and back at once would flip each step: held for the dwell
+    held = [p.choose(2).depth for _ in range(10)]
+    assert held[:6] == [0] * 6 and held[-1] == 2
+
+
 def test_a_switch_up_pays_for_its_catch_up_first() -> None:
     """Depth 1 is 10 % better per iteration than depth 0, but its catch-up costs 20 iterations of time:
     over a 64-iteration horizon that is not worth it, so the policy stays at 0; a cheap catch-up
     switches. Switching down needs no catch-up and is never held back by one."""
     def taught(catch_up: float) -> SpecPolicy:
-        p = SpecPolicy("auto", 1, horizon=64)
+        p = SpecPolicy("auto", 1, horizon=64, dwell=0)
         _teach(p, 4, {0: 1.0, 1: 1.0}, acc=0.0)  # equal costs, nothing accepted: depth 0 (tied: current)
         p.current[4] = 0
         p.acc = [0.1]  # depth 1 now 10 % better
