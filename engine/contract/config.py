@@ -125,9 +125,6 @@ class EngineConfig(BaseModel):
     # iteration for the most tokens/s from measured costs and acceptance; "always" runs S; "off" never
     # drafts (the draft is loaded but idle); "cycle" runs 0..S in turn (for testing exactness).
     spec_policy: Literal["auto", "always", "off", "cycle"] = "auto"
-    # Positions a request may decode with fewer draft steps before its draft layers catch up (the
-    # target hidden states kept for the catch-up: this many per request slot).
-    spec_catch_up_window: int = Field(64, ge=8, le=4096)
     # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
     enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)

@@ -270,8 +270,6 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Hand the KV valid in every runner to the prefix cache and free the rest."""
-        if self.mem.cache is not None:
-            self.worker.settle(req)
         keep = req.fill_ids[: self.worker.kv_valid_len(req)] if self.mem.cache is not None else None
         self.worker.release(req)
         self.mem.release(req, keep)

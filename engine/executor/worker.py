@@ -431,7 +431,7 @@ class TargetWorker:
         self.forwards = []
         out = self._forward(self.target, batch, eager)
         self.last_batch = batch
-        self._keep_hidden(rpi, batch, out)
+        self._keep_hidden(batch, out)
         tok = self._sample(out.logits, rpi, flags)
         lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
@@ -442,7 +442,7 @@ class TargetWorker:
             timer.mark()
         return pack(tok.view(-1, 1), one, lp, 1), [self.target.row_meta(batch)]
 
-    def _keep_hidden(self, rpi: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
+    def _keep_hidden(self, batch: ForwardBatch, out: ForwardOutput) -> None:
         """A decode step's target hidden states, for a speculative worker whose draft layers will catch
         up on these positions (nothing to keep here)."""
 
@@ -498,10 +498,6 @@ class TargetWorker:
 
     def decode(self, reqs: list[Req]) -> list[StepResult]:
         return self.finish(self.launch(reqs))
-
-    def settle(self, req: Req) -> None:
-        """A request's KV is about to go to the prefix cache (a speculative worker catches its draft
-        layers up first; nothing to do here)."""
 
     def kv_valid_len(self, req: Req) -> int:
         """Leading positions of `req` whose KV is computed in every runner's pool: what the prefix

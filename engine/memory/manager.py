@@ -12,6 +12,7 @@ whose KV is valid in every runner) goes into the cache, the prefix is unlocked, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +37,9 @@ class MemoryManager:
         self.max_context = maps[0].max_context
         self.free_reqs: list[int] = list(range(self.max_reqs - 1, -1, -1))
         self.cache: RadixCache | None = RadixCache(allocator) if prefix_cache else None
+        # Called with the pages `ensure` hands a request (their old contents mean nothing now): a
+        # speculative worker forgets what it knew of them (`SpecWorker.forget_pages`).
+        self.on_alloc: list[Callable[[list[int]], None]] = []
 
     def add_map(self, m: ReqToTokenPool) -> None:
         if m.max_reqs != self.max_reqs or m.max_context != self.max_context:
@@ -119,6 +123,8 @@ class MemoryManager:
         pages = self._take(need) if need else []
         if pages is None:
             return False
+        for f in self.on_alloc:
+            f(pages)
         if req.req_pool_idx is None:
             req.req_pool_idx = self.free_reqs.pop()
             self._write(req, 0, req.pages)  # a cached prefix's pages

@@ -84,4 +84,5 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         mem.add_map(r.binding.req_to_token)
         runners.append(r)
     worker = cls(target, runners, chain, steps, device, eos_ids, vocab=arch.vocab_size, max_reqs=max_reqs, **worker_kw)
+    mem.on_alloc.append(worker.forget_pages)  # pages handed out again hold no valid draft KV
     return SpecParts(worker, stack)

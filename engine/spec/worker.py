@@ -31,10 +31,13 @@ Depth: the speculation policy (`mleagle.engine.spec.policy`) picks before each i
 draft steps S' in 0..S it runs (`plan`): S' = 0 is the target-only decode step, a smaller S' verifies
 the first S' drafts and runs the first S' layers. The layers that did not run fall behind: per request
 `DraftState.valid` is where every layer's KV ends, `.depth` how many leading layers are current to
-kv_len, and shallower iterations keep the target's hidden states of the positions they commit in a
-ring per request slot. An iteration deeper than a request's `depth` (or one that would overflow the
-ring) first **catches up** (`catch_up`): one batched draft extend over [valid, kv_len) from the ring,
-exactly what the draft prefill does over a prompt, which also makes the first drafts. A catch-up is
+kv_len. Under `auto` and `cycle` every target forward writes its hidden states into a pool with one
+row per KV slot (`hpool`), and an iteration deeper than a request's `depth` first **catches up**
+(`catch_up`): one batched draft extend over [valid, kv_len) from the pool, exactly what the draft
+prefill does over a prompt, which also makes the first drafts. While the batch runs plain steps a
+finished prefill skips its draft prefill (the catch-up does it later). The prefix cache then keeps all
+of a request's target KV, and `draft_ok` (per slot, on the host) marks the cached slots whose draft KV
+is complete, so a request that hits others catches those up from the pool too. A catch-up is
 described by host lengths, so the scheduler launches it with no iteration in flight (`hold`).
 
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
@@ -53,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from mleagle.engine.contract.outputs import SpecStats
@@ -99,8 +103,7 @@ class IterationStats:
 class SpecWorker(TargetWorker):
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(), vocab: int = 0,
-                 max_reqs: int = 0, prefix_cache: bool = False, policy: str = "always", catch_up_window: int = 64,
-                 tp_size: int = 1):
+                 max_reqs: int = 0, prefix_cache: bool = False, policy: str = "always", tp_size: int = 1):
         # `prefix_cache` (whether the engine keeps one) is told to every worker class: this one serves
         # with or without it, a measuring subclass may refuse it.
         if not 1 <= steps <= len(drafts):
@@ -112,16 +115,19 @@ class SpecWorker(TargetWorker):
         self.depth = steps
         self.policy = SpecPolicy(policy, steps, publish=tp_size > 1)
         self.drafting = policy != "off"  # off: the draft layers never run, not even at prefill
-        # Depths below S leave draft layers behind; their catch-up reads the target's hidden states of
-        # the positions decoded meanwhile from this ring (per request slot, position mod the window).
-        if catch_up_window < 2 * self.lookahead:
-            raise ValueError(f"catch_up_window {catch_up_window} must be at least {2 * self.lookahead} (2·(S+1))")
-        self.window = catch_up_window
-        self.hstash: torch.Tensor | None = None
+        # Depths below S leave draft layers behind (and a prefill may leave them out altogether); their
+        # catch-up reads the target's hidden states of the positions it covers from this pool, one row
+        # per KV slot (written by every target forward), so positions the prefix cache holds can catch
+        # up too. `draft_ok` (host) says which cached slots' draft KV is complete (see `release`).
+        self.hpool: torch.Tensor | None = None
+        pool = target.binding.kv_pool
+        self.draft_ok = np.zeros(0, dtype=bool)
         if policy in ("auto", "cycle"):
             layer0 = self._layer(0)
-            self.hstash = torch.zeros(self.state.pad_row + 1, self.window, layer0.hidden_in_size,
-                                      dtype=next(layer0.parameters()).dtype, device=self.device)
+            self.hpool = torch.zeros(pool.num_slots, layer0.hidden_in_size, dtype=next(layer0.parameters()).dtype,
+                                     device=self.device)
+            self.draft_ok = np.zeros(pool.num_slots, dtype=bool)
+        self.page_size = int(getattr(pool, "page_size", 1))
         self._held: StepPlan | None = None  # a plan the scheduler could not launch overlapped (see `hold`)
         self._last_done: float | None = None  # when the last iteration finished (the policy's clock)
         self.stats = SpecStats(accepted_per_depth=[0] * steps)
@@ -193,10 +199,14 @@ class SpecWorker(TargetWorker):
         self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         off = 0
+        pooled = self.hpool is not None
+        if pooled:
+            self._keep_hidden(batch, out)
         for r, c in zip(reqs, chunks):
             if r.draft_state is None:  # the first chunk: it starts past any cached prefix
-                r.draft_state = DraftState(start=r.kv_len)
-            r.draft_state.hidden_stash.append(out.hidden[off : off + c])
+                r.draft_state = DraftState(start=r.kv_len, valid=self._cached_draft_valid(r) if pooled else r.kv_len)
+            if not pooled:
+                r.draft_state.hidden_stash.append(out.hidden[off : off + c])
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
         done = [i for i, r in enumerate(reqs) if not r.prefilling]
@@ -209,7 +219,15 @@ class SpecWorker(TargetWorker):
             timer = Timer(self.device)
             timer.mark()
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
-            self._draft_prefill([reqs[i] for i in done], bonus)
+            if not pooled:
+                self._draft_prefill([reqs[i] for i in done], bonus)
+            elif self.policy.last.depth > 0:  # the draft layers fill the positions now, from the pool
+                self.catch_up([reqs[i] for i in done], bonus, measure=False)
+            else:
+                # The batch decodes without drafts now: the draft prefill waits for the first deeper
+                # iteration, whose catch-up covers it (`DraftState.valid` stays where the cache left it).
+                for i in done:
+                    reqs[i].draft_state.depth = 0
             timer.mark()
             # Read once a later iteration's sync has passed it (`on_finish`): reading now would wait for
             # the draft prefill and stall the overlapped schedule.
@@ -311,11 +329,10 @@ class SpecWorker(TargetWorker):
         self._held = plan
 
     def _behind(self, reqs: list[Req], depth: int) -> list[Req]:
+        """The requests whose first `depth` draft layers are not current (they catch up first)."""
         if not self.drafting:
             return []
-        la = (self.inflight + 1) * self.lookahead  # positions the iteration in flight and this one may add
-        return [r for r in reqs if r.draft_state is not None and r.draft_state.depth < self.steps
-                and (r.draft_state.depth < depth or r.kv_len + la - r.draft_state.valid > self.window)]
+        return [r for r in reqs if r.draft_state is not None and r.draft_state.depth < depth]
 
     def launch(self, reqs: list[Req], plan: StepPlan | None = None) -> Pending:
         plan = plan if plan is not None else self.plan(reqs)
@@ -331,30 +348,32 @@ class SpecWorker(TargetWorker):
         p.plan = dataclasses.replace(plan, catch_up=catch)
         return p
 
-    def catch_up(self, reqs: list[Req], ends: list[int] | None = None) -> None:
-        """Bring every draft layer of `reqs` current: one batched draft extend over the positions decoded
-        since their draft KV was last complete ([valid, end), end = kv_len unless given), from the
-        target hidden states the shallower iterations kept in the ring, exactly as a prefill fills the
-        draft pools (and, like one, making the first drafts). Host-described: no iteration may be in
-        flight."""
+    def catch_up(self, reqs: list[Req], bonus: list[int] | None = None, measure: bool = True) -> None:
+        """Bring every draft layer of `reqs` current: one batched draft extend over the positions whose
+        draft KV is missing ([valid, kv_len): decoded by shallower iterations, or a prompt whose draft
+        prefill was put off, or cached positions another request left without it), from the target
+        hidden states in the pool, exactly as a draft prefill fills the draft pools (and, like one,
+        making the first drafts). `bonus` is each request's next input token (default: its last
+        output). Host-described: no iteration may be in flight."""
         if self.inflight:
             raise RuntimeError("a draft catch-up needs the host's KV lengths: finish the iteration in flight first")
-        assert self.hstash is not None
-        ends = ends if ends is not None else [r.kv_len for r in reqs]
-        todo = [(r, e) for r, e in zip(reqs, ends) if e > r.draft_state.valid]
+        assert self.hpool is not None
+        nxt = bonus if bonus is not None else [r.fill_ids[r.kv_len] for r in reqs]
+        todo = [(r, b) for r, b in zip(reqs, nxt) if r.kv_len > r.draft_state.valid]
         for r in reqs:
-            if all(r is not q for q, _ in todo):  # nothing decoded since: its layers are current
-                r.draft_state.depth = self.steps
+            r.draft_state.depth = self.steps  # current once this returns (nothing to do for some)
         if not todo:
             return
         t0 = time.perf_counter()
         rs = [r for r, _ in todo]
         starts = [r.draft_state.valid for r in rs]
-        lens = [e - v for (_, e), v in zip(todo, starts)]
-        slot = torch.tensor([r.req_pool_idx for r, n in zip(rs, lens) for _ in range(n)], dtype=torch.int64)  # type: ignore[misc]
-        pos = torch.tensor([p % self.window for v, n in zip(starts, lens) for p in range(v, v + n)], dtype=torch.int64)
-        hidden = self.hstash[slot.to(self.device), pos.to(self.device)]
-        self._draft_fill(rs, starts, lens, [r.fill_ids[e] for r, e in todo], hidden)
+        lens = [r.kv_len - v for r, v in zip(rs, starts)]
+        rows = torch.tensor([r.req_pool_idx for r, n in zip(rs, lens) for _ in range(n)], dtype=torch.int64)  # type: ignore[misc]
+        pos = torch.tensor([p for v, n in zip(starts, lens) for p in range(v, v + n)], dtype=torch.int64)
+        slots = self.r2t[rows.to(self.device), pos.to(self.device)]
+        self._draft_fill(rs, starts, lens, [b for _, b in todo], self.hpool[slots])
+        if not measure:  # a put-off draft prefill, not a switch's cost
+            return
         st = self.policy.stats
         st.catch_ups += 1
         st.catch_up_positions += sum(lens)
@@ -365,16 +384,40 @@ class SpecWorker(TargetWorker):
         self.policy.observe_catch_up(dt)
         self._last_done = None  # the next iteration's interval holds this catch-up
 
-    def _keep_hidden(self, rpi: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
-        """A shallower iteration's target hidden states (every row of its verify, or its decode rows),
-        at position mod the window of each request's ring row: a later catch-up reads those it
-        committed. Padded rows write the pad row's ring."""
-        if self.hstash is None:
+    def _keep_hidden(self, batch: ForwardBatch, out: ForwardOutput) -> None:
+        """Every target forward's hidden states into the pool at its KV slots (a prefill's, a decode
+        step's, every verify row), for a later catch-up; padded rows write the pad slot."""
+        if self.hpool is None:
             return
-        w = batch.width
-        rows = rpi.view(-1, 1).expand(-1, w).reshape(-1)
-        h = out.hidden if out.hidden.shape[0] == rows.shape[0] else out.hidden[: rows.shape[0]]
-        self.hstash[rows, batch.positions % self.window] = h.to(self.hstash.dtype)
+        loc = batch.out_cache_loc
+        self.hpool[loc] = out.hidden[: loc.shape[0]].to(self.hpool.dtype)
+
+    def _cached_draft_valid(self, r: Req) -> int:
+        """How much of a request's cached prefix every draft layer holds: the cache keeps all of a
+        request's target KV, and `draft_ok` marks the slots whose draft KV its owner completed."""
+        n = r.cached_len
+        if n == 0:
+            return 0
+        ps = self.page_size
+        pos = np.arange(n)
+        ok = self.draft_ok[np.asarray(r.pages, dtype=np.int64)[pos // ps] * ps + pos % ps]
+        return n if ok.all() else int(np.argmin(ok))
+
+    def forget_pages(self, pages: list[int]) -> None:
+        """Pages (re)allocated to a request: nothing in their draft KV is valid yet."""
+        if self.hpool is not None and pages:
+            ps = self.page_size
+            self.draft_ok[(np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)] = False
+
+    def release(self, req: Req) -> None:
+        """Mark the slots whose draft KV the request completed (below its `valid`), so a request that
+        hits them in the prefix cache knows it need not catch them up; then drop its state."""
+        ds = req.draft_state
+        if self.hpool is not None and ds is not None and req.pages and ds.valid > 0:
+            ps = self.page_size
+            pos = np.arange(min(ds.valid, len(req.pages) * ps))
+            self.draft_ok[np.asarray(req.pages, dtype=np.int64)[pos // ps] * ps + pos % ps] = True
+        super().release(req)
 
     # --- decode iteration ----------------------------------------------------------------------
     def _body(self, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags, host: HostView, eager: bool,
@@ -384,7 +427,7 @@ class SpecWorker(TargetWorker):
         `eager` runs every forward eagerly (inside a whole-iteration capture); `live` masks padded rows
         out of every state write."""
         if self.depth == 0:
-            return super()._body(rpi, live, flags, host, eager, timer)
+            return super()._body(rpi, live, flags, host, eager, timer)  # keeps the hidden states too
         st = self.state
         w, bs = self.width, int(rpi.shape[0])
         drafts = st.drafts[rpi][:, : self.depth]  # [bs, S']
@@ -394,8 +437,7 @@ class SpecWorker(TargetWorker):
         self.forwards = []
         out = self._forward(self.target, vb, eager)
         self.last_batch = vb
-        if self.depth < self.steps:
-            self._keep_hidden(rpi, vb, out)
+        self._keep_hidden(vb, out)
         metas = [self.target.row_meta(vb)]
         if flags.plain and flags.logprobs < 0:  # the common case: fused accept + commit + pack on CUDA
             emitted, n, packed, sel = st.verify_greedy(out.logits, w, rpi, live, self._forced())
@@ -592,18 +634,6 @@ class SpecWorker(TargetWorker):
         self.policy.reset()
         self._last_done = None
 
-    def settle(self, req: Req) -> None:
-        """A request is about to hand its KV to the prefix cache: catch its draft layers up first, so
-        the cache can keep all of it, where nothing is in flight (the CPU; a GPU step with overlap
-        scheduling leaves at most the ring's window of positions uncached instead of stalling)."""
-        ds = req.draft_state
-        if (ds is None or req.prefilling or not self.drafting or self.hstash is None or self.inflight
-                or (ds.depth == self.steps and ds.valid >= req.kv_len)):
-            return
-        end = min(req.kv_len, req.fill_len - 1)  # positions whose next token is committed (a stop may cut)
-        if end > ds.valid:
-            self.catch_up([req], [end])
-
     def kv_valid_len(self, req: Req) -> int:
         """Draft pools are filled when a request's prefill completes: until then only its cached prefix
         is valid in every runner. After that every position below the draft layers' `valid` is (stale
@@ -611,6 +641,6 @@ class SpecWorker(TargetWorker):
         With the policy off the draft pools are never read: the target's KV is all there is."""
         if req.prefilling:
             return req.cached_len
-        if not self.drafting or req.draft_state is None:
-            return req.kv_len
+        if not self.drafting or req.draft_state is None or self.hpool is not None:
+            return req.kv_len  # with the hidden-state pool, `draft_ok` says how much draft KV is valid
         return min(req.kv_len, req.draft_state.valid)

@@ -264,3 +264,51 @@ def test_a_request_that_stopped_drafting_still_leaves_all_its_kv_to_the_cache() 
         assert nxt.token_ids == run(tiny_engine(), [prompt + first + [7]], greedy(6))[0]
         assert all_free(e)
     assert hits[0] == hits[1] == len(prompt) + 20 - 1 - 3
+
+
+def _force_depth(p: SpecPolicy, depth: int) -> None:
+    """Make a policy choose `depth` for every iteration, as if it had just decided so."""
+    d = Decision(depth, "test")
+    p.last = d
+    p.choose = lambda bs, constrained=False: d  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("draft", ["random:3:2", "random:3:1:nochain"])
+def test_a_put_off_draft_prefill_catches_up_through_the_prefix_cache(draft: str) -> None:
+    """While the batch decodes without drafts a finished prefill leaves the draft layers out, and the
+    prefix cache keeps that request's target KV with its draft KV marked missing. A later request that
+    hits it and drafts catches up over everything the cache gave it, from the hidden states the first
+    request left in the pool: its draft KV then equals a fresh engine's draft prefill of the same
+    tokens (float32), and its output stays exact."""
+    prompt = list(range(80, 97))
+    e = tiny_engine(draft, spec_policy="cycle")
+    w = e.worker
+    _force_depth(w.policy, 0)
+    first = e.generate([prompt], greedy(12, ignore_eos=True))[0].token_ids
+    assert all(r.num_forwards == 0 for r in w.drafts)  # the draft layers never ran
+    seq = prompt + first + [7, 8]
+    _force_depth(w.policy, w.steps)
+    before = e.scheduler.prefix_hits
+    e.add_request("b", seq, greedy(4, ignore_eos=True))
+    e.step()  # its prefill past the hit, then the draft layers over all of it (the hit included)
+    req = e.scheduler.reqs["b"]
+    hit = e.scheduler.prefix_hits - before
+    assert hit == len(prompt) + 12 - 1 - w.steps and req.draft_state.valid == req.kv_len == len(seq)
+
+    ref = tiny_engine(draft, spec_policy="always", enable_prefix_cache=False)
+    ref.add_request("c", seq, greedy(4, ignore_eos=True))
+    ref.scheduler.step()
+    rc = ref.scheduler.reqs["c"]
+    assert rc.output_ids == req.output_ids
+    for k, (da, db) in enumerate(zip(w.drafts, ref.worker.drafts)):
+        pos = torch.arange(req.kv_len - k)  # past the bonus a layer reads drafts, in both
+        pa = da.binding.req_to_token.req_to_token[req.req_pool_idx, pos]
+        pb = db.binding.req_to_token.req_to_token[rc.req_pool_idx, pos]
+        for layer in range(len(da.binding.kv_pool.k)):
+            torch.testing.assert_close(da.binding.kv_pool.k[layer][pa], db.binding.kv_pool.k[layer][pb], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(da.binding.kv_pool.v[layer][pa], db.binding.kv_pool.v[layer][pb], atol=1e-5, rtol=1e-5)
+    while e.has_work():
+        e.step()
+    assert all_free(e)
+    again = e.generate([seq], greedy(10))[0].token_ids  # a hit on complete draft KV now
+    assert again == run(tiny_engine(), [seq], greedy(10))[0]
