@@ -318,6 +318,8 @@ class Engine:
             self.scheduler.abort(msg[1])
         elif msg[0] == "reset_cache":
             self.mem.reset_cache()
+        elif msg[0] == "spec_warming":
+            self.worker.policy.warming = msg[1]  # type: ignore[attr-defined]
         elif msg[0] == "reset_counters":
             self.worker.reset_counters()
         elif msg[0] == "spec_cost":  # rank 0's iteration timings: every rank's policy learns the same
@@ -356,9 +358,13 @@ class Engine:
         prompts = [[(7 * i + 3) % v for i in range(n)] for n in lengths if n <= room] or [[1, 2, 3]]
         greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=0, ignore_eos=True)
-        for p in prompts:
-            self.generate([p], greedy)
-        self.generate(prompts, [sampled] * len(prompts))
+        self._warming(True)  # the policy alternates its depths: the catch-ups between them run too
+        try:
+            for p in prompts:
+                self.generate([p], greedy)
+            self.generate(prompts, [sampled] * len(prompts))
+        finally:
+            self._warming(False)
         self.reset_prefix_cache()
         s, w = self.scheduler, self.worker
         s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = 0
@@ -368,6 +374,13 @@ class Engine:
         self._seeds = itertools.count()
         self._added = []
         return time.perf_counter() - t0
+
+    def _warming(self, on: bool) -> None:
+        policy = getattr(self.worker, "policy", None)
+        if policy is not None:
+            policy.warming = on
+            if self.control is not None:
+                self.control.submit(("spec_warming", on))
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op without them)."""

@@ -53,13 +53,13 @@ class Decision:
 
 
 def size_bucket(bs: int) -> int:
-    """The batch sizes whose iterations are costed together: each size up to 8 (where a request more
-    or less moves a step's cost most), then steps of about 1.5x (12, 16, 24, 32, 48, ...)."""
-    if bs <= 8:
-        return max(bs, 1)
-    b = 8
+    """The batch sizes whose iterations are costed together: 1, 2, 4, then steps of about 1.5x (6, 8,
+    12, 16, 24, 32, 48, ...). Every bucket is measured at each depth before it is trusted, and
+    measuring depth 0 costs a catch-up on the way back, so buckets are few; sizes in one bucket cost
+    about the same per iteration (a CUDA graph's padded size, a CPU step's rows within a third)."""
+    b = 1
     while b < bs:
-        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+        b = b * 2 if b < 4 else b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
     return b
 
 
@@ -103,6 +103,7 @@ class SpecPolicy:
         self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
         self.last = Decision(steps if mode != "off" else 0, mode)
         self._cycle = 0
+        self.warming = False  # the engine's warm-up: `auto` alternates its choices (see `Engine.warm_up`)
         self._unpublished: list[tuple[int, int, float]] = []
         # The last finished iteration's measured gain: its tokens per second over depth 0's measured
         # rate in its bucket (0.0 until depth 0 has been measured there).
@@ -138,6 +139,9 @@ class SpecPolicy:
         if self.mode == "cycle":
             self._cycle += 1
             return Decision((self._cycle - 1) % (s + 1), "cycle")
+        if self.warming:  # meet every depth `auto` may choose, and the catch-ups between them
+            self._cycle += 1
+            return Decision(self.choices[(self._cycle - 1) % len(self.choices)], "warm-up")
         b = size_bucket(bs)
         self.visits[b] += 1
         self._since[b] += 1
@@ -160,13 +164,20 @@ class SpecPolicy:
         if best != cur:
             self._since[b] = 0
         self.current[b] = best
-        if self.visits[b] % self.explore_every == 0:
-            second = max((d for d in rates if d != best), key=lambda d: rates[d])
+        second = max((d for d in rates if d != best), key=lambda d: rates[d])
+        # Costs and acceptance drift with the traffic: now and then try the runner-up again, where it
+        # is close enough to overtake (a distant one would not, and a switch back costs a catch-up).
+        if self.visits[b] % self.explore_every == 0 and rates[second] * 1.25 > rates[best]:
             self.stats.explore_iterations += 1
             return Decision(second, "explore: runner-up", rates[second] / rates[0] if 0 in rates else 0.0)
         return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
 
     # --- learning ------------------------------------------------------------------------------
+    def plain_now(self) -> bool:
+        """Does the batch decode without drafts now (the last choice was depth 0 on its merits, not a
+        measurement)? A prefill then puts its draft prefill off."""
+        return self.last.depth == 0 and not self.last.reason.startswith("explore")
+
     def observe(self, bs: int, depth: int, accepted: list[int], seconds: float | None) -> None:
         """One finished iteration: its depth, each request's accepted drafts, and its wall time (None
         where it was not measurable: after a prefill or a catch-up, the interval holds them too)."""

@@ -221,7 +221,7 @@ class SpecWorker(TargetWorker):
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
             if not pooled:
                 self._draft_prefill([reqs[i] for i in done], bonus)
-            elif self.policy.last.depth > 0:  # the draft layers fill the positions now, from the pool
+            elif not self.policy.plain_now():  # the draft layers fill the positions now, from the pool
                 self.catch_up([reqs[i] for i in done], bonus, measure=False)
             else:
                 # The batch decodes without drafts now: the draft prefill waits for the first deeper

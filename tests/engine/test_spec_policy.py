@@ -204,7 +204,7 @@ def test_policy_modes_and_buckets() -> None:
     assert SpecPolicy("off", 3).choose(1).depth == 0
     with pytest.raises(ValueError, match="spec policy"):
         SpecPolicy("sometimes", 3)
-    assert [size_bucket(b) for b in (1, 5, 8, 9, 13, 17, 33, 64)] == [1, 5, 8, 12, 16, 24, 48, 64]
+    assert [size_bucket(b) for b in (1, 3, 5, 8, 9, 13, 17, 33, 64)] == [1, 4, 6, 8, 12, 16, 24, 48, 64]
 
 
 def test_published_timings_reach_every_rank_alike() -> None:
