@@ -16,6 +16,10 @@ bucket (costs and acceptance drift with the traffic), and a new best depth must 
 by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
 switch up makes the draft layers that fell behind catch up, see `SpecWorker`; its measured time is
 fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
+A drafting depth is also charged the draft layers' pass over the prompts that arrive meanwhile (the
+measured host time of a prefill step's draft prefill times how many such steps come per iteration):
+under a heavy arrival rate that pass costs more than drafting saves, so the batch decodes plainly and
+its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
 `auto` chooses between depth 0 and S (`choices`): a depth in between leaves the layers past it behind,
 so every return to S would pay a catch-up, and on the machines measured it never beat both ends
 (results/BENCH_POLICY.md); the worker runs any depth (`cycle` exercises them all).
@@ -96,6 +100,12 @@ class SpecPolicy:
         self.samples: Counter[tuple[int, int]] = Counter()
         self._recent: dict[tuple[int, int], deque[float]] = {}
         self.catch_up_cost = 0.0  # seconds per catch-up (rolling), charged to a switch up
+        # Drafting also costs the draft layers' pass over every prompt (a draft prefill, or the catch-up
+        # that does it later): seconds per prefill step that completes a prompt (rolling), times such
+        # steps per decode iteration (the arrival load, counted at every depth).
+        self.fill_cost = 0.0
+        self.fills_per_iter = 0.0
+        self._fills = 0
         self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted
         self.acc_seen = [0] * steps  # request-iterations behind each a_j
         self.current: dict[int, int] = {}  # bucket -> the depth it runs now
@@ -115,8 +125,10 @@ class SpecPolicy:
         return 1.0 + sum(self.acc[:depth])
 
     def rate(self, b: int, depth: int) -> float:
-        """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket)."""
-        return self.tokens(depth) / self.cost[(b, depth)]
+        """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket): a
+        drafting depth also pays the draft layers' share of the prompts arriving meanwhile."""
+        extra = self.fill_cost * self.fills_per_iter if depth else 0.0
+        return self.tokens(depth) / (self.cost[(b, depth)] + extra)
 
     def choose(self, bs: int, constrained: bool = False) -> Decision:
         t0 = time.perf_counter()
@@ -173,6 +185,20 @@ class SpecPolicy:
         return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
 
     # --- learning ------------------------------------------------------------------------------
+    def note_fill(self) -> None:
+        """A prefill step completed prompts (their draft prefill ran now or was put off)."""
+        self._fills += 1
+
+    def observe_fill(self, seconds: float) -> None:
+        """The host time of one prefill step's draft prefill (under TP rank 0's, published)."""
+        if self.publish:
+            self._unpublished.append((0, -2, seconds))
+        else:
+            self._fill(seconds)
+
+    def _fill(self, seconds: float) -> None:
+        self.fill_cost = seconds if not self.fill_cost else 0.8 * self.fill_cost + 0.2 * seconds
+
     def plain_now(self) -> bool:
         """Does the batch decode without drafts now (the last choice was depth 0 on its merits, not a
         measurement)? A prefill then puts its draft prefill off."""
@@ -183,6 +209,8 @@ class SpecPolicy:
         where it was not measurable: after a prefill or a catch-up, the interval holds them too)."""
         self.stats.iterations_by_depth[depth] += 1
         self.stats.tokens_gained += sum(accepted)
+        self.fills_per_iter = 0.98 * self.fills_per_iter + 0.02 * self._fills  # about the last 50 iterations
+        self._fills = 0
         base = self.cost.get((size_bucket(bs), 0))
         if seconds and base and (accepted or not depth):
             self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
@@ -212,8 +240,11 @@ class SpecPolicy:
         self.catch_up_cost = seconds if not self.catch_up_cost else 0.8 * self.catch_up_cost + 0.2 * seconds
 
     def _time(self, b: int, depth: int, seconds: float) -> None:
-        if depth < 0:  # a catch-up (see `observe_catch_up`)
+        if depth == -1:  # a catch-up (see `observe_catch_up`)
             self._catch_up(seconds)
+            return
+        if depth == -2:  # a draft prefill (see `observe_fill`)
+            self._fill(seconds)
             return
         key = (b, depth)
         q = self._recent.setdefault(key, deque(maxlen=self.window))
@@ -243,6 +274,7 @@ class SpecPolicy:
             "mode": self.mode, "depth": self.last.depth, "reason": self.last.reason,
             "predicted_gain": self.last.predicted_gain, "measured_gain": self.measured_gain,
             "acceptance": list(self.acc), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
+            "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_iteration": round(self.fills_per_iter, 4),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             **{k: v for k, v in vars(self.stats).items()},
         }

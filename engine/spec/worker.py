@@ -219,10 +219,13 @@ class SpecWorker(TargetWorker):
             timer = Timer(self.device)
             timer.mark()
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
+            self.policy.note_fill()
             if not pooled:
                 self._draft_prefill([reqs[i] for i in done], bonus)
             elif not self.policy.plain_now():  # the draft layers fill the positions now, from the pool
+                t0 = time.perf_counter()
                 self.catch_up([reqs[i] for i in done], bonus, measure=False)
+                self.policy.observe_fill(time.perf_counter() - t0)
             else:
                 # The batch decodes without drafts now: the draft prefill waits for the first deeper
                 # iteration, whose catch-up covers it (`DraftState.valid` stays where the cache left it).

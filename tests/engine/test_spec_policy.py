@@ -197,6 +197,22 @@ def test_a_switch_up_pays_for_its_catch_up_first() -> None:
     assert down.choose(4).depth == 0
 
 
+def test_heavy_arrivals_make_drafting_pay_for_the_draft_prefill() -> None:
+    """Depth 1 makes twice the tokens per iteration, but when every iteration brings a prefill whose draft
+    prefill costs an iteration's time, plain decoding wins; with few arrivals drafting wins again."""
+    p = SpecPolicy("auto", 1, dwell=0)
+    _teach(p, 4, {0: 1.0, 1: 1.0}, acc=0.5)
+    assert p.choose(4).depth == 1
+    p.observe_fill(1.5)
+    for _ in range(300):  # one completed prefill per iteration
+        p.note_fill()
+        p.observe(4, 0, [], None)
+    assert p.fills_per_iter > 0.9 and p.choose(4).depth == 0
+    for _ in range(300):  # arrivals stop
+        p.observe(4, 0, [], None)
+    assert p.choose(4).depth == 1
+
+
 def test_policy_modes_and_buckets() -> None:
     c = SpecPolicy("cycle", 2)
     assert [c.choose(1).depth for _ in range(5)] == [0, 1, 2, 0, 1]
