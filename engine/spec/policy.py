@@ -18,8 +18,8 @@ switch up makes the draft layers that fell behind catch up, see `SpecWorker`; it
 fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
 A drafting depth is also charged the draft layers' pass over the prompts that arrive meanwhile (the
 measured host time of a prefill step's draft prefill times how many such steps come per iteration):
-under a heavy arrival rate that pass costs more than drafting saves, so the batch decodes plainly (a
-prefill's draft pass waits for the first drafting iteration, which does all owed ones in one).
+under a heavy arrival rate that pass costs more than drafting saves, so the batch decodes plainly and
+its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
 `auto` chooses between depth 0 and S (`choices`): a depth in between leaves the layers past it behind,
 so every return to S would pay a catch-up, and on the machines measured it never beat both ends
 (results/BENCH_POLICY.md); the worker runs any depth (`cycle` exercises them all).
@@ -198,6 +198,11 @@ class SpecPolicy:
 
     def _fill(self, seconds: float) -> None:
         self.fill_cost = seconds if not self.fill_cost else 0.8 * self.fill_cost + 0.2 * seconds
+
+    def plain_now(self) -> bool:
+        """Does the batch decode without drafts now (the last choice was depth 0 on its merits, not a
+        measurement)? A prefill then puts its draft prefill off."""
+        return self.last.depth == 0 and not self.last.reason.startswith("explore")
 
     def observe(self, bs: int, depth: int, accepted: list[int], seconds: float | None) -> None:
         """One finished iteration: its depth, each request's accepted drafts, and its wall time (None

@@ -34,9 +34,8 @@ the first S' drafts and runs the first S' layers. The layers that did not run fa
 kv_len. Under `auto` and `cycle` every target forward writes its hidden states into a pool with one
 row per KV slot (`hpool`), and an iteration deeper than a request's `depth` first **catches up**
 (`catch_up`): one batched draft extend over [valid, kv_len) from the pool, exactly what the draft
-prefill does over a prompt, which also makes the first drafts. A finished prefill owes its draft
-prefill (`DraftState.fill`): the first drafting iteration's catch-up does it, for every prompt
-completed since, in one pass after their first tokens went out (or never, if they decode plainly). The prefix cache then keeps all
+prefill does over a prompt, which also makes the first drafts. While the batch runs plain steps a
+finished prefill skips its draft prefill (the catch-up does it later). The prefix cache then keeps all
 of a request's target KV, and `draft_ok` (per slot, on the host) marks the cached slots whose draft KV
 is complete, so a request that hits others catches those up from the pool too. A catch-up is
 described by host lengths, so the scheduler launches it with no iteration in flight (`hold`).
@@ -88,7 +87,6 @@ class DraftState:
     # layers' up to kv_len (iterations of fewer draft steps leave the others behind; see `catch_up`).
     valid: int = 0
     depth: int = 0
-    fill: int = -1  # the prefill step whose draft prefill this request still owes (-1: none)
 
 
 @dataclass
@@ -131,7 +129,6 @@ class SpecWorker(TargetWorker):
             self.draft_ok = np.zeros(pool.num_slots, dtype=bool)
         self.page_size = int(getattr(pool, "page_size", 1))
         self._held: StepPlan | None = None  # a plan the scheduler could not launch overlapped (see `hold`)
-        self._fills = 0  # prefill steps that completed prompts
         self._last_done: float | None = None  # when the last iteration finished (the policy's clock)
         self.stats = SpecStats(accepted_per_depth=[0] * steps)
         self.last = IterationStats()
@@ -223,15 +220,17 @@ class SpecWorker(TargetWorker):
             timer.mark()
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
             self.policy.note_fill()
-            self._fills += 1
             if not pooled:
                 self._draft_prefill([reqs[i] for i in done], bonus)
+            elif not self.policy.plain_now():  # the draft layers fill the positions now, from the pool
+                t0 = time.perf_counter()
+                self.catch_up([reqs[i] for i in done], bonus, measure=False)
+                self.policy.observe_fill(time.perf_counter() - t0)
             else:
-                # The draft prefill waits for the first iteration that drafts: its catch-up does it, for
-                # every prompt completed since in one pass, after this step's first tokens went out (and
-                # never, if the batch decodes plainly until the request ends).
+                # The batch decodes without drafts now: the draft prefill waits for the first deeper
+                # iteration, whose catch-up covers it (`DraftState.valid` stays where the cache left it).
                 for i in done:
-                    reqs[i].draft_state.depth, reqs[i].draft_state.fill = 0, self._fills
+                    reqs[i].draft_state.depth = 0
             timer.mark()
             # Read once a later iteration's sync has passed it (`on_finish`): reading now would wait for
             # the draft prefill and stall the overlapped schedule.
@@ -343,7 +342,7 @@ class SpecWorker(TargetWorker):
         self._held = None
         catch = self._behind(reqs, plan.depth)
         if catch:
-            self._catch_up_measured(catch)
+            self.catch_up(catch)
         self.depth = plan.depth
         for r in reqs:
             if r.draft_state is not None:
@@ -351,23 +350,6 @@ class SpecWorker(TargetWorker):
         p = super().launch(reqs, plan)
         p.plan = dataclasses.replace(plan, catch_up=catch)
         return p
-
-    def _catch_up_measured(self, reqs: list[Req]) -> None:
-        """A launch's catch-up, timed for the policy: as the draft prefill of the prefill steps it
-        covers when it owes nothing else, else as the cost of a switch up."""
-        owed = {r.draft_state.fill for r in reqs if r.draft_state.fill >= 0}
-        switch = any(r.draft_state.fill < 0 for r in reqs)
-        if switch:
-            self.catch_up(reqs)
-        else:
-            t0 = time.perf_counter()
-            self.catch_up(reqs, measure=False)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.policy.observe_fill((time.perf_counter() - t0) / max(len(owed), 1))
-            self._last_done = None
-        for r in reqs:
-            r.draft_state.fill = -1
 
     def catch_up(self, reqs: list[Req], bonus: list[int] | None = None, measure: bool = True) -> None:
         """Bring every draft layer of `reqs` current: one batched draft extend over the positions whose
