@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if n < 2:
         ap.error("--max-new-tokens must be at least 2 (the first token is timed apart)")
     texts = read_first_turns(a.dataset, data_dir(None))[: a.prompts]
-    engines = {d: engine_for(a.model, 1, n, 512, draft=d) for d in drafts}
+    # Each draft at its full depth every iteration: this compares drafts, not the speculation policy.
+    engines = {d: engine_for(a.model, 1, n, 512, draft=d, spec_policy="always") for d in drafts}
     prompts = encode_texts(next(iter(engines.values())), texts)
     samples: dict[str, list[dict[str, Any]]] = {d: [] for d in drafts}
     for e in engines.values():  # warm-up: Triton JIT, cuBLAS heuristics, graph capture

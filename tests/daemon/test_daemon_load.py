@@ -18,9 +18,10 @@ MT = 6
 
 @pytest.fixture(scope="module")
 def srv():
-    # A random 2-layer draft: output stays exactly greedy, and three runners' pools must all come back free.
+    # A random 2-layer draft at full depth every iteration (`auto` would stop drafting a draft that never
+    # pays): output stays exactly greedy, and three runners' pools must all come back free.
     s = ServerProc("--config", "smollm2-135m", "--max-total-tokens", "16384", "--max-running-requests", "64",
-                   "--max-queued-requests", "64", "--draft", "random:2", "--threads", "1")
+                   "--max-queued-requests", "64", "--draft", "random:2", "--spec-policy", "always", "--threads", "1")
     s.wait_healthy(60)
     yield s
     assert s.terminate() == 0, s.log()

@@ -28,7 +28,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def srv():
     # Token ids and logprobs in request events are opt-in (another user's output): this test opts in.
-    s = ServerProc("--config", "tiny-dummy", "--draft", "random:2", "--max-running-requests", "8",
+    # At full depth every iteration: the acceptance events this test reads come from verify steps.
+    s = ServerProc("--config", "tiny-dummy", "--draft", "random:2", "--spec-policy", "always", "--max-running-requests", "8",
                    "--events-include-text", api_key=KEY)
     s.wait_healthy(60)
     asyncio.run(warm_relay(s))
