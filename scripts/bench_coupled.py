@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", default="0.8")
     ap.add_argument("--out", default="results/bench_coupled.json")
     a = ap.parse_args(argv)
-    e = Engine(a.model, draft=a.draft, max_running_requests=a.prompts, enable_prefix_cache=False)
+    e = Engine(a.model, draft=a.draft, max_running_requests=a.prompts, enable_prefix_cache=False, spec_policy="always")
     prompts = encode_texts(e, read_first_turns(a.dataset, data_dir(None))[: a.prompts])
     rows = []
     for t in (float(x) for x in a.temperatures.split(",")):

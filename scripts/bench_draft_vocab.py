@@ -64,7 +64,7 @@ def main() -> int:
     cfg = MleagleConfig(model=ModelSource(name="smollm2-135m-dummy", load_format="dummy", arch=SMOL),
                         engine=EngineConfig(max_total_tokens=8192, max_context_len=1024, max_running_requests=16))
     base = Engine(cfg, draft="none")
-    spec = Engine(cfg, draft=f"random:{a.layers}")
+    spec = Engine(cfg, draft=f"random:{a.layers}", spec_policy="always")
     rows = []
     for bs in [int(x) for x in a.batch_sizes.split(",")]:
         t = run(base, bs, a.new_tokens, a.prompt_len)

@@ -32,7 +32,7 @@ def prompts(path: str, n: int) -> list[str]:
 def run(draft: str, boundary_kv: str, texts: list[str], bs: int, n_new: int) -> dict:
     # recompute needs the prefix cache off; the other runs keep it off too, so all see the same prefills
     ref = {"spec_worker": RecomputeSpecWorker} if boundary_kv == "recompute" else {}
-    e = Engine(draft=draft, max_running_requests=bs, enable_prefix_cache=False, **ref)
+    e = Engine(draft=draft, max_running_requests=bs, enable_prefix_cache=False, spec_policy="always", **ref)
     sp = SamplingParams(temperature=0.0, max_new_tokens=n_new)
     e.generate([texts[0]], SamplingParams(temperature=0.0, max_new_tokens=4), chat=True)  # warm-up
     if draft != "none":

@@ -24,7 +24,7 @@ from mleagle.engine.executor import worker as W
 
 def main(draft: str) -> None:
     texts = read_first_turns("mt_bench", data_dir(None))[:8]
-    e = engine_for("smollm2-135m", 1, 256, 512, draft=draft)
+    e = engine_for("smollm2-135m", 1, 256, 512, draft=draft, spec_policy="always")
     prompts = encode_texts(e, texts)
     wait = [0.0, 0]
     orig = W.TargetWorker.finish

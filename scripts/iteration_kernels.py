@@ -23,7 +23,7 @@ from mleagle.engine.entrypoints.bench_gpu import encode_texts, engine_for, gen_o
 
 def main(draft: str) -> None:
     text = read_first_turns("mt_bench", data_dir(None))[0]
-    e = engine_for("smollm2-135m", 1, 64, 512, draft=draft)
+    e = engine_for("smollm2-135m", 1, 64, 512, draft=draft, spec_policy="always")
     p = encode_texts(e, [text])[0]
     gen_once(e, [p], 32)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

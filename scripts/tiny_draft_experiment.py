@@ -37,7 +37,7 @@ ARCH = ModelArch(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidd
 def target(draft: str = "none") -> Engine:
     cfg = MleagleConfig(model=ModelSource(name="tiny", load_format="dummy", arch=ARCH),
                         engine=EngineConfig(max_total_tokens=4096, max_context_len=256))
-    e = Engine(cfg, draft=draft)
+    e = Engine(cfg, draft=draft, spec_policy="always")
     with torch.no_grad():  # sharpen attention and the head, so each token depends on the context
         for layer in e.model.layers:
             a = layer.self_attn

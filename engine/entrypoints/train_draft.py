@@ -203,8 +203,9 @@ def make_engine(a: argparse.Namespace, draft: str = "none", batch: int = 1, kv_t
     from mleagle.engine.core.engine import Engine
 
     # tp_size 1 whatever a config file says: training reads the target's weights whole (one rank).
+    # spec_policy "always": the evaluation measures the draft at its full depth, every iteration.
     over: dict[str, Any] = {"device": a.device, "dtype": a.dtype, "draft": draft, "max_running_requests": batch,
-                            "max_total_tokens": max(kv_tokens, 64), "tp_size": 1}
+                            "max_total_tokens": max(kv_tokens, 64), "tp_size": 1, "spec_policy": "always"}
     if prefill_chunk:
         over["chunked_prefill_size"] = prefill_chunk
     if a.threads:

@@ -122,7 +122,7 @@ def test_nothing_leaks_with_aborts_and_preemption() -> None:
 
 
 def test_generate_cli_reports_spec() -> None:
-    cmd = [os.path.join(ROOT, ".venv", "bin", "mleagle"), "generate", "--draft", "random:3", "--json",
+    cmd = [os.path.join(ROOT, ".venv", "bin", "mleagle"), "generate", "--draft", "random:3", "--spec-policy", "always", "--json",
            "--prompt", "Hello, my name is", "--max-new-tokens", "8"]
     if not os.path.exists(cmd[0]):
         cmd = [sys.executable, "-m", "mleagle.cli", *cmd[1:]]
