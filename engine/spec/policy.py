@@ -40,9 +40,7 @@ import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
 
-PolicyMode = Literal["auto", "always", "off", "cycle"]
 MODES: tuple[str, ...] = ("auto", "always", "off", "cycle")
 
 
