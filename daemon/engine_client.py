@@ -49,6 +49,7 @@ from mleagle.engine.contract.protocol import (
     Shutdown,
     decode_engine_msg,
     encode,
+    pid_alive,
 )
 from mleagle.engine.contract.sampling_params import SamplingParams
 
@@ -58,16 +59,6 @@ SECRET_ENV = ("MLEAGLE_API_KEY",)  # never inherited by the engine process
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the exit before giving the process up
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale_run_dirs(root: str | None = None) -> list[str]:
     """Remove this user's run dirs whose daemon is gone (its pid is in the name); returns them."""
     gone = []
@@ -75,7 +66,7 @@ def sweep_stale_run_dirs(root: str | None = None) -> list[str]:
     for p in base.glob(RUN_PREFIX + "*"):
         try:
             pid = int(p.name[len(RUN_PREFIX):].split("-", 1)[0])
-            if not p.is_dir() or p.is_symlink() or p.stat().st_uid != os.getuid() or _pid_alive(pid):
+            if not p.is_dir() or p.is_symlink() or p.stat().st_uid != os.getuid() or pid_alive(pid):
                 continue
         except (ValueError, OSError):
             continue

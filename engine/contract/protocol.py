@@ -10,6 +10,7 @@ the daemon refuses an engine whose `Ready` says otherwise.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -130,6 +131,17 @@ def decode_daemon_msg(data: bytes) -> AddRequest | AbortRequest | Ping | Shutdow
 
 def decode_engine_msg(data: bytes) -> Ready | Outputs | RequestError | Pong | Fatal:
     return _decode(_engine_msg, data)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts: signalling it is merely refused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def peak_rss_mb() -> float:

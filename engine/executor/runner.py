@@ -109,7 +109,8 @@ class ModelRunner:
         if why is not None:
             g = next((m for m in self.more_graphs if m.fits(batch) is None), None)
         if g is None:
-            self.eager[why or "shape"] += 1
+            assert why is not None  # the primary graph did not fit, or there is none
+            self.eager[why] += 1
             return self.forward_eager(batch, reason=why)
         res = g.run(batch)
         self.num_forwards += 1

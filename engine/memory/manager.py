@@ -12,14 +12,22 @@ whose KV is valid in every runner) goes into the cache, the prefix is unlocked, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.radix_cache import RadixCache
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
+
+
+def page_slots(pages: Sequence[int], page_size: int, n: int | None = None) -> np.ndarray:
+    """The KV slots of positions 0..n-1 (all the pages' positions by default) of a request holding
+    `pages`: position p lives in slot pages[p // page_size] * page_size + p % page_size."""
+    pos = np.arange(len(pages) * page_size if n is None else n)
+    return np.asarray(pages, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
 
 
 class HoldsKV(Protocol):
@@ -137,8 +145,7 @@ class MemoryManager:
     def _write(self, req: HoldsKV, start: int, pages: list[int]) -> None:
         if not pages:
             return
-        p = torch.tensor(pages, dtype=torch.int64)
-        slots = (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        slots = torch.from_numpy(page_slots(pages, self.page_size))
         for m in self.maps:
             m.req_to_token[req.req_pool_idx, start : start + len(slots)] = slots.to(m.req_to_token.device)
 

@@ -1,5 +1,6 @@
 """Child processes that must not outlive their parent: the engine process (child of the daemon) and
-local tensor-parallel ranks (children of rank 0); and whether a process is alive. A leaf both import."""
+local tensor-parallel ranks (children of rank 0). A leaf both import (whether a process is alive is
+`mleagle.engine.contract.protocol.pid_alive`, which the daemon shares)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,3 @@ def die_with_parent(parent: int | None) -> None:
         pass
     if parent is not None and os.getppid() != parent:
         sys.exit(0)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (one of another user's counts: signalling it is merely refused)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

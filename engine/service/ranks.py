@@ -73,8 +73,8 @@ import torch
 import torch.distributed as dist
 
 from mleagle.engine.contract.config import EngineConfig, MleagleConfig
+from mleagle.engine.contract.protocol import pid_alive
 from mleagle.engine.distributed import TPGroup, set_current
-from mleagle.engine.service.parent import pid_alive
 
 log = logging.getLogger("mleagle.engine.ranks")
 CONFIG_KEY = "mleagle/config"

@@ -42,6 +42,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 MODES: tuple[str, ...] = ("auto", "always", "off", "cycle")
+# The depth field of a timing that is not an iteration's (a published timing is (bucket, depth, s)).
+CATCH_UP, FILL = -1, -2
 
 
 @dataclass(frozen=True)
@@ -188,14 +190,8 @@ class SpecPolicy:
         self._fills += 1
 
     def observe_fill(self, seconds: float) -> None:
-        """The host time of one prefill step's draft prefill (under TP rank 0's, published)."""
-        if self.publish:
-            self._unpublished.append((0, -2, seconds))
-        else:
-            self._fill(seconds)
-
-    def _fill(self, seconds: float) -> None:
-        self.fill_cost = seconds if not self.fill_cost else 0.8 * self.fill_cost + 0.2 * seconds
+        """The host time of one prefill step's draft prefill."""
+        self._report(0, FILL, seconds)
 
     def plain_now(self) -> bool:
         """Does the batch decode without drafts now (the last choice was depth 0 on its merits, not a
@@ -222,27 +218,25 @@ class SpecPolicy:
                 self.acc[j] += w * (x - self.acc[j])
                 self.acc_seen[j] += n
         if seconds is not None and seconds > 0:
-            if self.publish:
-                self._unpublished.append((size_bucket(bs), depth, seconds))
-            else:
-                self._time(size_bucket(bs), depth, seconds)
+            self._report(size_bucket(bs), depth, seconds)
 
     def observe_catch_up(self, seconds: float) -> None:
-        """One catch-up's wall time (under tensor parallelism rank 0's, published like the others)."""
-        if self.publish:
-            self._unpublished.append((0, -1, seconds))
-        else:
-            self._catch_up(seconds)
+        """One catch-up's wall time."""
+        self._report(0, CATCH_UP, seconds)
 
-    def _catch_up(self, seconds: float) -> None:
-        self.catch_up_cost = seconds if not self.catch_up_cost else 0.8 * self.catch_up_cost + 0.2 * seconds
+    def _report(self, b: int, depth: int, seconds: float) -> None:
+        """A timing: applied here, or under tensor parallelism queued for rank 0 to publish to all."""
+        if self.publish:
+            self._unpublished.append((b, depth, seconds))
+        else:
+            self._time(b, depth, seconds)
 
     def _time(self, b: int, depth: int, seconds: float) -> None:
-        if depth == -1:  # a catch-up (see `observe_catch_up`)
-            self._catch_up(seconds)
+        if depth == CATCH_UP:
+            self.catch_up_cost = seconds if not self.catch_up_cost else 0.8 * self.catch_up_cost + 0.2 * seconds
             return
-        if depth == -2:  # a draft prefill (see `observe_fill`)
-            self._fill(seconds)
+        if depth == FILL:
+            self.fill_cost = seconds if not self.fill_cost else 0.8 * self.fill_cost + 0.2 * seconds
             return
         key = (b, depth)
         q = self._recent.setdefault(key, deque(maxlen=self.window))

@@ -72,6 +72,7 @@ from mleagle.engine.executor.results import FwdInfo, HostView, Pending, StepPlan
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import accepted, rotate
 from mleagle.engine.executor.worker import TargetWorker
+from mleagle.engine.memory.manager import page_slots
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
@@ -371,8 +372,9 @@ class SpecWorker(TargetWorker):
         rs = [r for r, _ in todo]
         starts = [r.draft_state.valid for r in rs]
         lens = [r.kv_len - v for r, v in zip(rs, starts)]
-        rows = torch.tensor([r.req_pool_idx for r, n in zip(rs, lens) for _ in range(n)], dtype=torch.int64)  # type: ignore[misc]
-        pos = torch.tensor([p for v, n in zip(starts, lens) for p in range(v, v + n)], dtype=torch.int64)
+        n_t = torch.tensor(lens)
+        rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in rs]), n_t)  # type: ignore[misc]
+        pos = torch.cat([torch.arange(v, v + n) for v, n in zip(starts, lens)])
         slots = self.r2t[rows.to(self.device), pos.to(self.device)]
         self._draft_fill(rs, starts, lens, [b for _, b in todo], self.hpool[slots])
         if not measure:  # a put-off draft prefill, not a switch's cost
@@ -401,25 +403,21 @@ class SpecWorker(TargetWorker):
         n = r.cached_len
         if n == 0:
             return 0
-        ps = self.page_size
-        pos = np.arange(n)
-        ok = self.draft_ok[np.asarray(r.pages, dtype=np.int64)[pos // ps] * ps + pos % ps]
+        ok = self.draft_ok[page_slots(r.pages, self.page_size, n)]
         return n if ok.all() else int(np.argmin(ok))
 
     def forget_pages(self, pages: list[int]) -> None:
         """Pages (re)allocated to a request: nothing in their draft KV is valid yet."""
         if self.hpool is not None and pages:
-            ps = self.page_size
-            self.draft_ok[(np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)] = False
+            self.draft_ok[page_slots(pages, self.page_size)] = False
 
     def release(self, req: Req) -> None:
         """Mark the slots whose draft KV the request completed (below its `valid`), so a request that
         hits them in the prefix cache knows it need not catch them up; then drop its state."""
         ds = req.draft_state
         if self.hpool is not None and ds is not None and req.pages and ds.valid > 0:
-            ps = self.page_size
-            pos = np.arange(min(ds.valid, len(req.pages) * ps))
-            self.draft_ok[np.asarray(req.pages, dtype=np.int64)[pos // ps] * ps + pos % ps] = True
+            n = min(ds.valid, len(req.pages) * self.page_size)
+            self.draft_ok[page_slots(req.pages, self.page_size, n)] = True
         super().release(req)
 
     # --- decode iteration ----------------------------------------------------------------------
