@@ -333,3 +333,54 @@ max_total_tokens = 4096
 max_context_len = 512
 threads = 1
 """
+
+
+def check_extend_buckets(e: Engine, rtol: float = 1e-4) -> int:
+    """Every runner's prefill graphs, every token bucket: a ragged live batch one token short of the
+    bucket (so padding tokens and padding requests are both there), each request extending past KV it
+    already holds (a cached prefix), replayed through the runner and run eagerly on the same inputs;
+    logits and hidden states agree and the argmax is identical. Returns the replays checked."""
+    import dataclasses
+
+    from mleagle.engine.executor.forward_batch import ForwardMode, build_batch
+
+    for i in range(3):
+        e.add_request(f"x{i}", [(11 * i + j) % e.arch.vocab_size for j in range(5 + 3 * i)], greedy(200))
+    while any(r.prefilling for r in e.scheduler.running) or e.scheduler.waiting:
+        e.step()
+    reqs = list(e.scheduler.running[:3])
+    dev = e.device
+    checked = 0
+    for runner in e.runners:
+        g = runner.extend_graphs
+        assert g is not None, e.graph_report
+        for t in g.buckets:
+            n = t - 1 if t > 1 else 1
+            bs = min(len(reqs), g.slots(t), n)
+            lens = [n // bs] * bs
+            lens[-1] += n - sum(lens)
+            rs = reqs[:bs]
+            for r, k in zip(rs, lens):
+                assert e.mem.ensure(r, r.kv_len + k)
+            ids = torch.randint(0, e.arch.vocab_size, (n,))
+            b = build_batch(ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in rs],
+                            prefix_lens=[r.kv_len for r in rs], extend_lens=lens, req_to_token=e.worker.r2t, device=dev)
+            hidden = int(getattr(runner.model, "hidden_in_size", 0))
+            if hidden:
+                b = dataclasses.replace(b, hidden_in=torch.randn(n, hidden, device=dev, dtype=e.dtype))
+            b = runner.bind(b)
+            assert g.fits(b) is None and g.bucket(n, bs) == t, (runner.name, t, g.fits(b))
+            rep = runner.forward(b)
+            assert rep.graph_bs == t
+            got_l, got_h = rep.logits.clone(), rep.hidden.clone()
+            ref = runner.forward_eager(b, observe=False)
+            assert got_l.shape == ref.logits.shape and got_h.shape == ref.hidden.shape
+            assert torch.allclose(got_l, ref.logits, rtol=rtol, atol=rtol), (runner.name, t, (got_l - ref.logits).abs().max())
+            assert torch.allclose(got_h, ref.hidden, rtol=rtol, atol=rtol), (runner.name, t)
+            assert torch.equal(got_l.argmax(-1), ref.logits.argmax(-1))
+            checked += 1
+    for i in range(3):
+        e.abort(f"x{i}")
+    while e.has_work():
+        e.step()
+    return checked

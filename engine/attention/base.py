@@ -32,6 +32,9 @@ from mleagle.engine.memory.req_to_token import ReqToTokenPool
 class AttentionBackend(ABC):
     name: str
     supports_graphs: bool = False
+    # EXTEND (prefill) under graphs: the plan of an `ExtendGraphRunner` view reads nothing on the host
+    # and its kernels take their per-request offsets from the view's device tensors.
+    supports_extend_graphs: bool = False
     # Plans from the batch's host lengths, so they must be exact: no step may be in flight (overlap
     # scheduling keeps the host's lengths one iteration behind the device's).
     needs_host_lens: bool = False

@@ -41,6 +41,8 @@ class TorchNativeBackend(AttentionBackend):
             self.spans = []
             start = 0
             for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+                if e == 0:  # a prefill graph's padding request (emulated): no rows, nothing to attend
+                    continue
                 kv_idx = r2t[rpi[i], : p + e]
                 keys = torch.arange(p + e, device=r2t.device)
                 qpos = torch.arange(p, p + e, device=r2t.device)
@@ -69,7 +71,9 @@ class TorchNativeBackend(AttentionBackend):
             qq = q.view(bs, w, hq, d).transpose(1, 2)  # [bs, Hq, W, D]
             o = F.scaled_dot_product_attention(qq, k, v, attn_mask=self.mask, enable_gqa=True)
             return o.transpose(1, 2).reshape(bs * w, hq * d)
-        out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
+        # A padded (emulated prefill graph) batch has rows no request covers: zeros, not garbage.
+        alloc = torch.empty if sum(batch.extend_lens) == q.shape[0] else torch.zeros
+        out = alloc(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
         for start, e, kv_idx, mask in self.spans:
             k = kb.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
             v = vb.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)

@@ -6,8 +6,9 @@ batch is small enough to split the keys). EXTEND takes two: `rope_store`, then `
 The kernels read the slot map, the request rows and the lengths from the batch's own device
 tensors, so a uniform batch needs no device metadata at all: `plan` only records host-side shapes
 (batch size, width, KV splits), which is why it is safe before a capture and before every replay,
-and why `init_graph` has nothing to allocate. EXTEND batches (eager only) copy their query offsets
-and lengths from the host lists.
+and why `init_graph` has nothing to allocate. An eager EXTEND batch copies its query offsets and
+lengths from the host lists; a prefill graph's EXTEND view carries them on the device
+(`ExtendGraphRunner`), so its plan is host-side only too (`supports_extend_graphs`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _num_sms(device: torch.device) -> int:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
+    supports_extend_graphs = True
     # Upper bound on KV splits for small uniform batches (see num_kv_splits); 1 turns splitting off.
     max_kv_splits = 16
 
@@ -61,6 +63,9 @@ class TritonBackend(AttentionBackend):
             # Host-side only: the padded batch size fixes the grid; lengths are read on the device.
             self.num_splits = self.splits_for(batch.bs)
             self._ext = None
+        elif batch.extend_start is not None and batch.extend_lens_t is not None:
+            # A prefill graph's view: offsets and lengths already on the device, the grid by its bucket.
+            self._ext = (batch.extend_start, batch.extend_lens_t, batch.max_extend)
         else:
             starts, s = [], 0
             for e in batch.extend_lens:

@@ -136,6 +136,10 @@ class EngineConfig(BaseModel):
     # One graph per plain greedy decode step / speculative iteration (verify, accept, every draft step)
     # on top of the per-forward graphs; off leaves every forward to its own runner's graph.
     iteration_graph: bool = True
+    # Prefill (EXTEND) graphs for the target and every draft layer, by token bucket (16, 32, ... up to
+    # this many tokens per forward, each bucket with up to max_running_requests request slots); a prefill
+    # past the largest bucket runs eagerly, counted. 0 runs every prefill eagerly.
+    prefill_graph_max_tokens: int = Field(2048, ge=0, le=65536)
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot

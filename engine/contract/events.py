@@ -104,7 +104,9 @@ class PoolEvent(_Base):
 class GraphEvent(_Base):
     """State of one graph runner (cumulative since start): its captured batch-size buckets, replays per
     bucket and eager fallbacks by reason. On CPU `enabled` is False, `buckets` is empty and every
-    forward is counted in `eager` (reason "cpu")."""
+    forward is counted in `eager` (reason "cpu"). A runner's prefill graphs come as one more event,
+    runner "<name>:prefill", mode EXTEND, whose buckets are token counts (its eager prefills are
+    counted in the runner's own `eager`)."""
 
     type: Literal["graph"] = "graph"
     runner: str

@@ -230,7 +230,8 @@ class Engine:
         self.graph_report = self.worker.capture_graphs(GraphSettings(
             cuda_graph=e.cuda_graph, emulate=e.graph_emulate, iteration=e.iteration_graph,
             max_bs=min(e.cuda_graph_max_bs or self.max_reqs, self.max_reqs), tp_size=self.tp.size,
-            tp_rank=self.tp.rank, dtype=self.dtype))
+            tp_rank=self.tp.rank, dtype=self.dtype, prefill_max_tokens=e.prefill_graph_max_tokens,
+            prefill_max_reqs=self.max_reqs))
         self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,

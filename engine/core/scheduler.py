@@ -1,8 +1,8 @@
 """Continuous batching: the waiting queue, the running set, chunked prefill, admission and preemption.
 
-Each `step` picks one forward: an EXTEND over prefill chunks when any request needs prefill and the
-token budget and KV pool allow (prefill first, as in nano-vllm), otherwise a decode step for every
-running request. A request is admitted only when its chunk fits in the pool with one decode step of
+Each `step` without an iteration in flight picks one forward: an EXTEND over prefill chunks when any
+request needs prefill and the token budget and KV pool allow (prefill first, as in nano-vllm),
+otherwise a decode step for every running request (with one in flight, see the mixed step below). A request is admitted only when its chunk fits in the pool with one decode step of
 headroom left for the running set; when decode finds the pool short, unused cached prefixes are
 evicted first, and only then are the most recently admitted requests preempted (their KV handed to
 the prefix cache, their generated tokens kept) and resumed later by a prefill over prompt + output.
@@ -18,8 +18,12 @@ Overlap scheduling (on the GPU): a decode step is launched (`worker.launch`) and
 no abort, memory for every running request — the scheduler launches step N+1 before it finishes step N,
 so the host's bookkeeping of N (stop checks, deltas, events) runs while the GPU computes N+1. A request
 that N finishes is then also in N+1: its results there are dropped (its epoch changed) and it is
-released at once (the device runs N+1 before anything queued later can reuse its slots). Anything else
-— admission, preemption, an abort, an iteration whose draft layers must first catch up (its host
+released at once (the device runs N+1 before anything queued later can reuse its slots). A step that
+finds prefill work while N is in flight is a **mixed step**: the prefill (arrivals, or the next chunk of
+a long prompt, on its prefill graph where it fits) runs behind N on the stream, then N+1 launches over
+every decoding request, the ones whose prefill just completed included, and N is finished; an arrival
+thus costs the decoding requests the prefill's own time, and the whole-iteration graph keeps running.
+Anything else — preemption, an abort, an iteration whose draft layers must first catch up (its host
 description needs the lengths step N sets) — first drains the step in flight.
 """
 
@@ -50,7 +54,7 @@ class StepReport:
     gain, the requests that caught up first) rides on `finished`."""
 
     step: int = 0
-    mode: str = "IDLE"  # EXTEND | DECODE | IDLE
+    mode: str = "IDLE"  # EXTEND | DECODE | MIXED (a prefill and a decode iteration) | IDLE
     forwards: list[FwdInfo] = field(default_factory=list)
     finished: Pending | None = None
     prefill_tokens: int = 0
@@ -114,17 +118,30 @@ class Scheduler:
             # Steady decoding: launch the next step first, then finish the one in flight.
             nxt = None
             # A constrained request's next mask needs this step's tokens: no overlap while one runs.
-            if self.overlap and not aborts and not self._want_prefill() and not self._constrained():
-                reqs = self._decode_ready(self.worker.lookahead * 2)
-                if reqs:
-                    plan = self.worker.plan(reqs)
+            if self.overlap and not aborts and not self._constrained():
+                # A mixed step: arrivals (or the next chunk of a long prompt) prefill first, behind the
+                # iteration in flight, and the next iteration launches over every decoding request (the
+                # new ones too), so an arrival costs the running requests its prefill, not a drain.
+                batch = self._schedule_prefill() if self._want_prefill() else None
+                if batch is not None:
+                    reqs, chunks = batch
+                    results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+                    rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
+                    rep.forwards = list(self.worker.forwards)
+                ready = self._decode_ready(self.worker.lookahead * 2)
+                if ready:
+                    plan = self.worker.plan(ready)
                     if plan.catch_up:  # the draft layers' catch-up reads host lengths: after this finish
                         self.worker.hold(plan)
                     else:
-                        nxt = self.worker.launch(reqs, plan)
+                        nxt = self.worker.launch(ready, plan)
             done, self.inflight = self.inflight, nxt
-            results = list(zip(done.reqs, self.worker.finish(done)))
-            rep.mode, rep.finished, rep.forwards = "DECODE", done, done.forwards
+            results += list(zip(done.reqs, self.worker.finish(done)))
+            rep.finished = done
+            if rep.mode == "MIXED":  # the iteration's forwards first: its target forward is the step's main one
+                rep.forwards = done.forwards + rep.forwards
+            else:
+                rep.mode, rep.forwards = "DECODE", done.forwards
         else:
             outputs += self._abort(aborts)
             aborts = []

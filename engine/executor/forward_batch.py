@@ -176,6 +176,13 @@ class ForwardBatch:
     # their capture's (checked at replay); an eager forward under TP is stamped by its runner from the
     # rule. None elsewhere (a TP-size-1 eager forward gathers nothing).
     row_meta: RowMeta | None = None
+    # A prefill graph's EXTEND view (`ExtendGraphRunner`): each request's first query row and row count
+    # on the device, and the bucket's token count bounding every request's rows, so the attention
+    # kernel's grid and its inputs stay fixed across replays. None / 0 for an eager EXTEND (the backend
+    # builds them from the host lists).
+    extend_start: torch.Tensor | None = None
+    extend_lens_t: torch.Tensor | None = None
+    max_extend: int = 0
 
     @property
     def expected_logit_rows(self) -> int:

@@ -7,8 +7,9 @@ into the model — `forward`, `forward_eager`, a graph replay, a graph capture (
 (`check_binding`). There is no shared "current pool" anywhere, so a draft step cannot silently read or
 write another step's KV. Runners know nothing of speculation: the speculative worker composes them. A
 runner may own graphs (`GraphRunner`s, set by its worker's capture: the full-depth iteration's shape
-in `graphs`, the speculation policy's shallower ones in `more_graphs`): `forward` replays a captured
-graph when the batch fits one and runs eagerly otherwise, counting every eager forward by its reason.
+in `graphs`, the speculation policy's shallower ones in `more_graphs`; prefill by token bucket in
+`extend_graphs`): `forward` replays a captured graph when the batch fits one and runs eagerly
+otherwise, counting every eager forward by its reason.
 Under tensor parallelism an eager forward stamps the batch with the row-count rule's per-rank counts
 (`row_meta`) before the model runs, so every gather of the forward is sized by the rule.
 `build_runner` makes a runner with pools sized for a model's attention layers.
@@ -67,12 +68,11 @@ class ModelRunner:
         self.observer: Callable[[ModelRunner, ForwardBatch, ForwardOutput], None] | None = None
         self.graphs: Graphs | None = None  # the full-depth iteration's shape (what telemetry shows)
         self.more_graphs: list[Graphs] = []  # other shapes: the shallower iterations of the spec policy
+        self.extend_graphs: Graphs | None = None  # prefill (EXTEND) by token bucket (`ExtendGraphRunner`)
         self.no_graph_reason = "cpu" if kv_pool.k[0].device.type == "cpu" else "disabled"
+        self.no_extend_reason = self.no_graph_reason  # why prefill runs eagerly when it has no graphs
         self.eager: Counter[str] = Counter()  # eager forwards by why no graph ran
 
-    def eager_reason(self) -> str | None:
-        """Why an EXTEND (prefill) forward of this runner ran eagerly: prefill is never captured."""
-        return "extend" if self.graphs is not None else self.no_graph_reason
 
     @property
     def binding(self) -> StepBinding:
@@ -104,10 +104,16 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Replay a graph where the batch fits one, else run eagerly (and count why)."""
         check_binding(batch, self.binding, f"runner {self.name}")
-        why = self.graphs.fits(batch) if self.graphs is not None else self.no_graph_reason
-        g = self.graphs
-        if why is not None:
-            g = next((m for m in self.more_graphs if m.fits(batch) is None), None)
+        if batch.mode is ForwardMode.EXTEND:
+            g = self.extend_graphs
+            why = g.fits(batch) if g is not None else self.no_extend_reason
+            if why is not None:
+                g = None
+        else:
+            why = self.graphs.fits(batch) if self.graphs is not None else self.no_graph_reason
+            g = self.graphs
+            if why is not None:
+                g = next((m for m in self.more_graphs if m.fits(batch) is None), None)
         if g is None:
             assert why is not None  # the primary graph did not fit, or there is none
             self.eager[why] += 1

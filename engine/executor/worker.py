@@ -4,7 +4,9 @@ A worker turns scheduled requests into forward batches, runs them on its runners
 scheduler owns memory and request life; the worker owns forwards, the per-slot device state
 (`SlotState`) and its runners' CUDA graphs (`capture_graphs`: each runner's uniform forward through
 a `GraphRunner`, and the whole device-side iteration through an `IterationGraph`, both on the one
-capture skeleton). Prefill is eager and host-described (ragged chunks); a decode step is `launch`
+capture skeleton; prefill by token bucket through an `ExtendGraphRunner` per runner). Prefill is
+host-described (ragged chunks) and synchronous: it replays a prefill graph where the chunk fits one,
+else runs eagerly. A decode step is `launch`
 (gather the batch's rows from the slot state, forward, sample, scatter the new state back, and start
 one non-blocking copy of the results into pinned memory) then `finish` (wait for that copy, turn it
 into per-request results). `launch` replays the whole-iteration graph where `iteration_miss` finds no
@@ -31,6 +33,7 @@ from mleagle.engine.constrain.runtime import ConstrainRuntime
 from mleagle.engine.contract.outputs import TokenLogprob
 from mleagle.engine.core.request import Req
 from mleagle.engine.executor.capture import default_buckets
+from mleagle.engine.executor.extend_graph import ExtendGraphRunner, token_buckets
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -72,6 +75,10 @@ class GraphSettings:
     tp_size: int = 1
     tp_rank: int = 0
     dtype: torch.dtype = torch.float32
+    # Prefill (EXTEND) graphs up to this many tokens per forward (0: prefill runs eagerly), with up to
+    # `prefill_max_reqs` requests per bucket.
+    prefill_max_tokens: int = 0
+    prefill_max_reqs: int = 1
 
 
 class TargetWorker:
@@ -156,13 +163,13 @@ class TargetWorker:
         cuda = self.device.type == "cuda"
         if not s.cuda_graph or not (cuda or s.emulate):
             for r in self.runners:
-                r.no_graph_reason = "disabled" if cuda or not s.cuda_graph else "cpu"
+                r.no_graph_reason = r.no_extend_reason = "disabled" if cuda or not s.cuda_graph else "cpu"
             self.graph_report = "cuda graphs: off" + ("" if cuda else " (cpu)")
             return self.graph_report
         buckets = default_buckets(s.max_bs)
         pool = torch.cuda.graph_pool_handle() if cuda else None
         self._arange(buckets[-1] * (self.full_depth + 1))  # grown before any capture, never inside one
-        lines = []
+        lines = self._capture_prefill(s, pool, cuda)
         failed: set[str] = set()
         # The full depth first: its shapes are each runner's `graphs`, the others' `more_graphs`.
         depths = sorted(self.graph_depths(), key=lambda d: d != self.full_depth)
@@ -203,6 +210,33 @@ class TargetWorker:
         self.graph_report = "cuda graphs" + (" (emulated)" if not cuda else "") + ":\n  " + "\n  ".join(lines)
         log.info(self.graph_report)
         return self.graph_report
+
+    def _capture_prefill(self, s: GraphSettings, pool: object | None, cuda: bool) -> list[str]:
+        """Prefill graphs for every runner (the target's prompts, each draft layer's draft prefill and
+        catch-up), by token bucket; the start-up report's lines."""
+        buckets = token_buckets(s.prefill_max_tokens)
+        if not buckets:
+            for r in self.runners:
+                r.no_extend_reason = "prefill graphs off"
+            return ["prefill: eager (prefill_graph_max_tokens = 0)"]
+        lines = []
+        for r in self.runners:
+            if cuda and not getattr(r.binding.backend, "supports_extend_graphs", False):
+                r.no_extend_reason = f"backend {r.binding.backend.name}"
+                lines.append(f"{r.name} prefill: eager (backend {r.binding.backend.name} cannot be captured)")
+                continue
+            g = ExtendGraphRunner(r, buckets=buckets, max_reqs=s.prefill_max_reqs,
+                                  hidden_size=int(getattr(r.model, "hidden_in_size", 0)), dtype=s.dtype,
+                                  emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
+            why = self._try_capture(f"{r.name} prefill", g.capture, s)
+            if why is not None:
+                r.no_extend_reason = why
+                lines.append(f"{r.name} prefill: eager ({why})")
+                continue
+            r.extend_graphs = g
+            lines.append(f"{r.name}: EXTEND tokens {buckets[0]}..{buckets[-1]} ({len(buckets)}), up to "
+                         f"{g.slots(buckets[-1])} requests, {g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        return lines
 
     def _try_capture(self, what: str, capture: Callable[[], None], s: GraphSettings) -> str | None:
         """Run a capture; None when it worked, else why it did not (the forwards then run eagerly).
@@ -250,7 +284,7 @@ class TargetWorker:
     def iteration_name(self) -> str:
         return "decode + sample"
 
-    # --- prefill (eager, host-described) --------------------------------------------------------
+    # --- prefill (host-described; a prefill graph where it fits) --------------------------------------------------------
     def prefill_batch(self, reqs: list[Req], chunks: list[int]) -> ForwardBatch:
         ids: list[int] = []
         for r, c in zip(reqs, chunks):
@@ -493,7 +527,7 @@ class TargetWorker:
         for g in self.iter_graphs.values():
             g.stats.replays.clear()
         for r in self.runners:
-            for m in r.more_graphs:
+            for m in [*r.more_graphs, *([r.extend_graphs] if r.extend_graphs is not None else [])]:
                 m.stats.replays.clear()
 
     def decode(self, reqs: list[Req]) -> list[StepResult]:

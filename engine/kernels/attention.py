@@ -25,7 +25,9 @@ replays correctly with new values in the same buffers, and no host-built metadat
   length, and chunks past the end are empty.
 - `extend_attention` (EXTEND: ragged prompt chunks with a cached prefix): one program per
   (request, query head, block of query rows), flash-attention over keys 0..last position of the
-  block; its query offsets come from host lists (EXTEND is never captured).
+  block; its query offsets and lengths are device tensors (from the host lists when eager, fixed
+  buffers in a prefill graph, whose grid the bucket's token count sizes; a zero-length request or a
+  block past a request's rows does nothing).
 - `fill_kv_indices`: the flat page list FlashInfer wants (page size 1), gathered from the slot map
   on the device before a replay.
 """

@@ -192,6 +192,11 @@ class Telemetry:
                 runner=r.name, enabled=g is not None, mode=g.mode.value if g is not None else None,
                 buckets=list(g.buckets) if g is not None else [], replays=dict(g.stats.replays) if g is not None else {},
                 eager=dict(r.eager), capture_time_s=g.stats.capture_s if g is not None else None))
+            x = r.extend_graphs
+            if x is not None:  # its prefill graphs: buckets are token counts (eager prefills are in `eager` above)
+                self.bus.emit(ev.GraphEvent(runner=f"{r.name}:prefill", enabled=True, mode="EXTEND",
+                                            buckets=list(x.buckets), replays=dict(x.stats.replays),
+                                            capture_time_s=x.stats.capture_s))
         self.last_status = now
 
 

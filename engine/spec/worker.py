@@ -225,7 +225,7 @@ class SpecWorker(TargetWorker):
                 self._draft_prefill([reqs[i] for i in done], bonus)
             elif not self.policy.plain_now():  # the draft layers fill the positions now, from the pool
                 t0 = time.perf_counter()
-                self.catch_up([reqs[i] for i in done], bonus, measure=False)
+                self.catch_up([reqs[i] for i in done], bonus, measure=False, fresh=True)
                 self.policy.observe_fill(time.perf_counter() - t0)
             else:
                 # The batch decodes without drafts now: the draft prefill waits for the first deeper
@@ -352,14 +352,16 @@ class SpecWorker(TargetWorker):
         p.plan = dataclasses.replace(plan, catch_up=catch)
         return p
 
-    def catch_up(self, reqs: list[Req], bonus: list[int] | None = None, measure: bool = True) -> None:
+    def catch_up(self, reqs: list[Req], bonus: list[int] | None = None, measure: bool = True,
+                 fresh: bool = False) -> None:
         """Bring every draft layer of `reqs` current: one batched draft extend over the positions whose
         draft KV is missing ([valid, kv_len): decoded by shallower iterations, or a prompt whose draft
         prefill was put off, or cached positions another request left without it), from the target
         hidden states in the pool, exactly as a draft prefill fills the draft pools (and, like one,
         making the first drafts). `bonus` is each request's next input token (default: its last
-        output). Host-described: no iteration may be in flight."""
-        if self.inflight:
+        output). Host-described: no iteration may be in flight, unless the requests are `fresh` (their
+        prefill just completed: no iteration in flight holds them, and the host's lengths are exact)."""
+        if self.inflight and not fresh:
             raise RuntimeError("a draft catch-up needs the host's KV lengths: finish the iteration in flight first")
         assert self.hpool is not None
         nxt = bonus if bonus is not None else [r.fill_ids[r.kv_len] for r in reqs]

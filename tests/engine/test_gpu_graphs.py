@@ -16,7 +16,7 @@ import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
-from tests.spec_helpers import all_free, chaos, greedy, run, tiny_cfg
+from tests.spec_helpers import all_free, chaos, check_extend_buckets, greedy, run, tiny_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -157,3 +157,25 @@ def test_overlap_scheduling_matches_and_frees() -> None:
     sps = [greedy(20 + i) for i in range(len(PROMPTS))]
     assert run(on, PROMPTS, sps) == run(off, PROMPTS, sps)
     assert all_free(on) and all_free(off)
+
+
+@pytest.mark.parametrize("draft", ["none", "random:3"])
+def test_prefill_graph_replay_equals_eager_at_every_token_bucket(draft: str) -> None:
+    """Every runner's prefill graphs (target, each draft layer), every token bucket up to 512, float32."""
+    e = _engine(draft, prefill_graph_max_tokens=512)
+    assert check_extend_buckets(e) == len(e.runners) * 6
+    assert all_free(e)
+
+
+def test_prefill_graphs_keep_greedy_output_exact() -> None:
+    """Through the engine: prompts of many lengths, cached prefixes and chunked prefill, every prefill
+    on its graph where it fits; the output equals an engine with no graphs at all."""
+    ref = _engine("none", cuda_graph=False)
+    e = _engine("random:3", prefill_graph_max_tokens=64, chunked_prefill_size=48)
+    prompts = PROMPTS + [list(range(1, 70)), list(range(1, 70)) + [5, 6], [7] * 130]
+    sps = [greedy(12)] * len(prompts)
+    assert run(e, prompts, sps) == run(ref, prompts, sps)
+    for p in prompts:
+        assert run(e, [p], greedy(8)) == run(ref, [p], greedy(8))
+    assert sum(e.runners[0].extend_graphs.stats.replays.values()) > len(prompts)
+    assert all_free(e)

@@ -25,7 +25,7 @@ from mleagle.engine.executor.forward_batch import BindingError, ForwardMode, row
 from mleagle.engine.executor.graph_runner import GraphRunner
 from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.slot_state import PLAIN
-from tests.spec_helpers import all_free, greedy, run, tiny_cfg, tiny_engine
+from tests.spec_helpers import all_free, check_extend_buckets, greedy, run, tiny_cfg, tiny_engine
 
 PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8]]
 
@@ -243,3 +243,44 @@ def test_iteration_graph_metadata_mismatch_fails_at_capture() -> None:
         bad.capture()
     ok = IterationGraph("ok", body, real, [1, 4], w.target.binding.req_to_token.pad_row, e.device, emulate=True)
     ok.capture()
+
+
+@pytest.mark.parametrize("draft", ["none", "random:3"])
+def test_prefill_graphs_replay_equals_eager_at_every_token_bucket(draft: str) -> None:
+    """Emulated prefill graphs: padded to every token bucket (padding tokens and zero-length padding
+    requests), each request extending a prefix it holds, the forward equals the unpadded one; the
+    runner counts the replays, and every pool comes back free."""
+    e = _engine(draft, prefill_graph_max_tokens=64)
+    n = check_extend_buckets(e)
+    assert n == len(e.runners) * 3  # buckets 16, 32, 64
+    assert all(sum(r.extend_graphs.stats.replays.values()) >= 3 for r in e.runners)
+    assert all_free(e)
+
+
+def test_prefill_graph_refuses_a_foreign_binding_and_counts_what_it_cannot_hold() -> None:
+    from mleagle.engine.executor.forward_batch import build_batch
+
+    e = _engine("random:3", prefill_graph_max_tokens=32, max_total_tokens=4096)
+    e.add_request("a", list(range(1, 8)), greedy(4))
+    e.step()
+    req = e.scheduler.running[0]
+    assert e.mem.ensure(req, req.kv_len + 40)
+    b = build_batch(ForwardMode.EXTEND, input_ids=list(range(5)), req_pool_indices=[req.req_pool_idx],
+                    prefix_lens=[req.kv_len], extend_lens=[5], req_to_token=e.worker.r2t)
+    target, draft = e.runners[0], e.runners[1]
+    with pytest.raises(BindingError):
+        target.extend_graphs.run(draft.bind(b))
+    with pytest.raises(BindingError):
+        draft.extend_graphs.run(target.bind(b))
+    big = build_batch(ForwardMode.EXTEND, input_ids=list(range(40)), req_pool_indices=[req.req_pool_idx],
+                      prefix_lens=[req.kv_len], extend_lens=[40], req_to_token=e.worker.r2t)
+    assert target.extend_graphs.fits(target.bind(big)) == "tokens>max_bucket"
+    lp = dataclasses.replace(target.bind(b), all_logit_rows=True)
+    assert target.extend_graphs.fits(lp) == "prompt logprobs"
+    before = target.eager["tokens>max_bucket"]
+    target.forward(target.bind(big))
+    assert target.eager["tokens>max_bucket"] == before + 1
+    e.abort("a")
+    while e.has_work():
+        e.step()
+    assert all_free(e)

@@ -68,3 +68,47 @@ def test_overlap_with_graph_emulation_equals_eager() -> None:
     sps = [greedy(20 + i) for i in range(len(PROMPTS))]
     assert run(e, PROMPTS, sps) == run(ref, PROMPTS, sps)
     assert all_free(e)
+
+
+def _staggered(e, prompts, sps, every: int = 3) -> tuple[dict[str, list[int]], list[str]]:
+    """Add one request every `every` steps while the others decode; tokens per request and step modes."""
+    toks: dict[str, list[int]] = {}
+    modes: list[str] = []
+    i = 0
+    while i < len(prompts) or e.has_work():
+        if i < len(prompts) and e.scheduler.num_steps % every == 0:
+            e.add_request(f"s{i}", prompts[i], sps[i])
+            toks[f"s{i}"] = []
+            i += 1
+        for o in e.step():
+            toks[o.rid] += o.token_ids
+        modes.append(e.scheduler.last_mode)
+    return toks, modes
+
+
+@pytest.mark.parametrize(("draft", "policy"), [("none", "always"), ("random:3", "always"), ("random:3", "auto"),
+                                               ("random:3", "cycle")])
+def test_mixed_steps_prefill_arrivals_behind_the_iteration_in_flight(draft: str, policy: str) -> None:
+    """Arrivals while others decode (overlap on, graphs emulated): steps are MIXED (a prefill, on its
+    prefill graph, plus the next decode iteration), the decoding rows keep their whole-iteration graph
+    in those steps, every output equals the synchronous engine's, nothing is left behind."""
+    cfg = tiny_cfg()
+    over = dict(spec_policy=policy, graph_emulate=True, prefill_graph_max_tokens=64, chunked_prefill_size=24)
+    sync = tiny_engine(draft, cfg=cfg, **over)
+    ov = tiny_engine(draft, cfg=cfg, **over)
+    ov.scheduler.overlap = True
+    prompts = [*PROMPTS, list(range(60, 110)), [4] * 3, list(range(5, 40))]
+    sps = [greedy(14 + 3 * i) for i in range(len(prompts))]
+    want, _ = _staggered(sync, prompts, sps)
+    seen: list[tuple[str, list]] = []
+    ov.observers.append(lambda outs, rep: seen.append((rep.mode, list(rep.forwards))))
+    got, modes = _staggered(ov, prompts, sps)
+    assert got == want
+    mixed = [f for m, f in seen if m == "MIXED"]
+    # (`cycle` changes depth every iteration: its catch-ups drain the step in flight, so fewer mix.)
+    assert len(mixed) >= (2 if policy == "cycle" else len(prompts) - 2), modes
+    # The iteration's forwards come first and replayed its graph (graph_bs set, no eager reason), then the
+    # prefill's EXTEND on its prefill graph.
+    assert any(f[0].graph_bs and f[-1].mode == "EXTEND" and f[-1].graph_bs for f in mixed)
+    assert all(f[0].mode != "EXTEND" for f in mixed)
+    assert ov.scheduler.inflight is None and all_free(ov)
