@@ -115,6 +115,13 @@ class Delta:
     finished: bool
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def merge(self, later: Delta) -> Delta:
+        """This delta followed by a later one of the same choice, as one."""
+        pl = None if self.prompt_logprobs is None and later.prompt_logprobs is None else \
+            [*(self.prompt_logprobs or []), *(later.prompt_logprobs or [])]
+        return Delta(self.choice, self.text + later.text, self.token_ids + later.token_ids,
+                     self.logprobs + later.logprobs, later.finished, pl)
+
 
 class Generation:
     def __init__(self, client: EngineClient, metrics: Metrics, tokenizer: Any, buffer_tokens: int = 1 << 30) -> None:
@@ -217,27 +224,51 @@ class Generation:
         return Delta(c, text, list(o.token_ids), lps, c.finished, o.prompt_logprobs)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Deltas in arrival order until every choice has finished."""
+        """Deltas until every choice has finished. A stream that fell behind (its route was still
+        writing while the engine stepped on) finds several outputs waiting: they are taken at once and
+        each choice's merged into one delta, so a slow stream costs one chunk per catch-up, not one
+        per engine step; errors still come after everything that arrived before them."""
         while not all(c.finished for c in self.choices):
-            tag, item = await self.sink.get()
-            c = self.choices[tag]
-            if c.finished:
-                continue
-            if isinstance(item, EngineRequestFailed):
-                c.finish_reason = "error"
-                if item.kind == "input":  # the engine refused it; its message says why
-                    msg, param = str(item), c.api_param(item.param)
-                    if item.param and param and msg.startswith(item.param + ": "):
-                        msg = f"{param}: {msg[len(item.param) + 2:]}"  # the field as this route calls it
-                    raise APIError(400, msg, code="engine_refused", param=param)
-                raise APIError(500, str(item), type="server_error")
-            if isinstance(item, EngineDead):
-                c.finish_reason = "error"
-                raise APIError(503, str(item), code="engine_dead", headers={"Retry-After": "5"})
-            if isinstance(item, APIError):
-                c.finish_reason = "error"
-                raise item
-            yield self._apply(c, item)
+            waiting = [await self.sink.get()]
+            while not self.sink.empty():
+                waiting.append(self.sink.get_nowait())
+            merged: dict[int, Delta] = {}
+            err: APIError | None = None
+            for tag, item in waiting:
+                try:
+                    d = self._take(tag, item)
+                except APIError as e:
+                    err = e
+                    break
+                if d is not None:
+                    prev = merged.get(tag)
+                    merged[tag] = d if prev is None else prev.merge(d)
+            for d in merged.values():  # what came before an error goes out before it
+                yield d
+            if err is not None:
+                raise err
+
+    def _take(self, tag: int, item: Any) -> Delta | None:
+        """One queue item: a delta for its choice, None when that choice has already finished; an error
+        item raises (the choice ends with it)."""
+        c = self.choices[tag]
+        if c.finished:
+            return None
+        if isinstance(item, EngineRequestFailed):
+            c.finish_reason = "error"
+            if item.kind == "input":  # the engine refused it; its message says why
+                msg, param = str(item), c.api_param(item.param)
+                if item.param and param and msg.startswith(item.param + ": "):
+                    msg = f"{param}: {msg[len(item.param) + 2:]}"  # the field as this route calls it
+                raise APIError(400, msg, code="engine_refused", param=param)
+            raise APIError(500, str(item), type="server_error")
+        if isinstance(item, EngineDead):
+            c.finish_reason = "error"
+            raise APIError(503, str(item), code="engine_dead", headers={"Retry-After": "5"})
+        if isinstance(item, APIError):
+            c.finish_reason = "error"
+            raise item
+        return self._apply(c, item)
 
     async def run(self) -> None:
         """Non-streaming: run to completion."""

@@ -206,8 +206,9 @@ class SpecWorker(TargetWorker):
         for r, c in zip(reqs, chunks):
             if r.draft_state is None:  # the first chunk: it starts past any cached prefix
                 r.draft_state = DraftState(start=r.kv_len, valid=self._cached_draft_valid(r) if pooled else r.kv_len)
-            if not pooled:
-                r.draft_state.hidden_stash.append(out.hidden[off : off + c])
+            if not pooled:  # kept past this step: a graph's output is rewritten by its next replay
+                h = out.hidden[off : off + c]
+                r.draft_state.hidden_stash.append(h.clone() if out.graph_bs else h)
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
         done = [i for i, r in enumerate(reqs) if not r.prefilling]

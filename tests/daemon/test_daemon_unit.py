@@ -115,6 +115,43 @@ def test_streamed_text_is_chunking_independent(tok):
     assert a.push(emoji[:1]) == "" and a.push(emoji[1:]) == "🎉"
 
 
+def test_a_stream_that_fell_behind_gets_its_deltas_coalesced(tok):
+    """Outputs that waited in a generation's queue come out as one delta per choice, with the same
+    text and tokens as one by one; an error after them comes after what arrived before it."""
+    import asyncio
+
+    from mleagle.daemon.errors import APIError
+    from mleagle.daemon.generation import Generation
+    from mleagle.daemon.metrics import Metrics
+
+    ids = tok.encode("Héllo wörld — 日本語のテキスト 🎉 and more words after it")
+
+    async def go(error: bool) -> list[tuple[int, str, list[int], bool]]:
+        g = Generation(None, Metrics("m"), tok)  # type: ignore[arg-type]  # nothing is submitted here
+        for _ in range(2):
+            g.add([], SamplingParams(max_new_tokens=64))
+        for i in range(0, len(ids), 2):  # the engine stepped on while the route was busy: all waiting
+            for c in g.choices:
+                last = i + 2 >= len(ids)
+                g.sink.put_nowait((c.index, RequestOutput(rid=c.rid, token_ids=ids[i : i + 2], finished=last and not error,
+                                                          finish_reason="length" if last and not error else None)))
+        if error:
+            g.sink.put_nowait((1, APIError(503, "gone", code="engine_dead")))
+        out = []
+        try:
+            async for d in g.deltas():
+                out.append((d.choice.index, d.text, d.token_ids, d.finished))
+        except APIError as e:
+            out.append((-1, e.message, [], True))
+        return out
+
+    got = asyncio.run(go(False))
+    assert [(i, t, f) for i, t, _, f in got] == [(0, tok.decode(ids), True), (1, tok.decode(ids), True)]
+    assert got[0][2] == ids == got[1][2]
+    got = asyncio.run(go(True))
+    assert [i for i, *_ in got] == [0, 1, -1] and got[1][1] == tok.decode(ids)[: len(got[1][1])] and got[-1][1] == "gone"
+
+
 def test_request_mapping_and_validation():
     r = CompletionRequest.model_validate({"prompt": "a", "n": 2, "seed": 5, "stop": "x", "logprobs": 2,
                                           "temperature": 0.5, "top_k": 3, "max_tokens": 9})
