@@ -27,8 +27,13 @@ class DeviceMask:
             self._buf = torch.empty(max(rows, 2 * self._buf.shape[0]), self.words, dtype=torch.int32, device=self.device)
         dev = self._buf[:rows]
         dev.copy_(host)  # blocking: the host buffer is refilled by the next call
+        return self.expand(dev)
+
+    def expand(self, dev: torch.Tensor) -> torch.Tensor:
+        """[rows, words] int32 already on the device → [rows, vocab] bool (device ops only: a captured
+        graph runs this on its static mask buffer)."""
         bits = (dev.unsqueeze(-1) >> self._shifts) & 1
-        return bits.view(rows, -1)[:, : self.vocab].bool()
+        return bits.view(dev.shape[0], -1)[:, : self.vocab].bool()
 
 
 def apply_bitmask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

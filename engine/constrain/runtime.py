@@ -3,10 +3,14 @@
 A worker owns one `ConstrainRuntime` and calls it at a few delimited points (each a line or two, so
 they move with the worker's code): `begin(reqs, flags)` when it builds a batch's flags (a batch with
 no constrained request gets its flags back unchanged and the fast paths run untouched; otherwise
-`RowFlags.constrained` takes it off the plain-greedy paths and whole-iteration graphs); `mask(x)` on
-the logits a batch samples or verifies from; `commit(emitted, n_emit)` once a step's tokens are
+`RowFlags.constrained` takes it off the plain-greedy paths); `mask(x)` on the logits a batch samples or
+verifies from; `commit(emitted, n_emit)` once a step's tokens are
 known, which reads them to the host (the host-synchronised part) and advances each matcher; and under
-speculation `draft_logits` / `draft_accept` around every draft step.
+speculation `draft_logits` / `draft_accept` around every draft step. A plain greedy decode step whose
+constraints are grammars only replays a masked whole-iteration graph instead: `fill_static` writes
+every row's mask into one static device buffer before the replay, `mask` inside the graph reads it
+(`static`), and the worker commits the tokens to the matchers from the step's results on the host
+(`commit_rows`), so the step costs one replay plus the host's mask fills.
 
 Masks: a decode or first-token row gets the mask of the matcher as it is. Draft step k (proposing
 d_{k+1}) gets the mask after the committed tokens and d_1..d_k, which the matcher accepted
@@ -65,6 +69,10 @@ class ConstrainRuntime:
         # Host time spent on grammar work (mask fills, accepts, rollbacks), and the steps it covered.
         self.host_s = 0.0
         self.host_steps = 0
+        # The masked whole-iteration graph's static mask buffer [rows, words] (`init_graph`), and whether
+        # the step being built (or captured) reads its masks from there instead of filling them per call.
+        self.gmask: torch.Tensor | None = None
+        self.static = False
 
     # --- set-up ------------------------------------------------------------------------------
     def bind(self, tokenizer: Any, stop_ids: Sequence[int]) -> None:
@@ -140,8 +148,34 @@ class ConstrainRuntime:
         if not bool(out[row].any()):
             out[row].fill_(FULL)
 
+    # --- the masked whole-iteration graph (plain greedy decode steps with grammars) -------------
+    def init_graph(self, max_bs: int) -> None:
+        """The static mask buffer a masked decode graph reads (allocated once, before its capture)."""
+        self.gmask = torch.full((max_bs, self.words), FULL, dtype=torch.int32, device=self.device)
+
+    def graphable(self) -> bool:
+        """Can this batch's decode step replay the masked graph: grammars only (a logit bias is a
+        per-request tensor the graph does not hold)?"""
+        return self.gmask is not None and not any(c is not None and c.bias is not None for c in self.batch)
+
+    def fill_static(self, bs: int) -> None:
+        """Each row's next-token mask into the static buffer before a masked replay (pad rows allow
+        everything; their tokens are never committed)."""
+        assert self.gmask is not None
+        t0 = time.perf_counter()
+        h = self._buf(self.gmask.shape[0])
+        for i, c in enumerate(self.batch[:bs]):
+            if c is not None:
+                self._fill(c, h, i)
+        self.gmask.copy_(h)  # blocking: the host buffer is refilled by the next call
+        self._tick(t0)
+
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        """x [bs·w, V] (w = 1: decode or first token; w = S+1: verify rows) → masked and biased."""
+        """x [bs·w, V] (w = 1: decode or first token; w = S+1: verify rows) → masked and biased. In a
+        masked graph (`static`) the rows' masks are the static buffer's, filled before the replay."""
+        if self.static:
+            assert self.gmask is not None
+            return apply_bitmask(x, self.dmask.expand(self.gmask[: x.shape[0]]))
         bs = len(self.batch)
         rows = x.shape[0]
         w = rows // bs
@@ -173,18 +207,24 @@ class ConstrainRuntime:
     def commit(self, emitted: torch.Tensor, n_emit: torch.Tensor) -> None:
         """The step's tokens, emitted [bs, W] (the first n_emit[b] valid), into each matcher. A token the
         grammar refuses, or any token after it terminated, is cut (`settle` drops it and ends the request)."""
-        t0 = time.perf_counter()
+        if self.static:  # a masked graph: the worker commits the tokens once they are on the host
+            return
         em, ne = emitted.tolist(), n_emit.view(-1).tolist()
+        self.commit_rows([row[: int(n)] for row, n in zip(em, ne)])
+
+    def commit_rows(self, rows: Sequence[Sequence[int]]) -> None:
+        """`commit` from host lists: each batch row's new tokens."""
+        t0 = time.perf_counter()
         for i, c in enumerate(self.batch):
             if c is None or c.matcher is None:
                 continue
             m = c.matcher
             c.last_valid = None
-            for j in range(int(ne[i])):
+            for j, t in enumerate(rows[i]):
                 if m.is_terminated():
                     c.last_valid, c.finish = j, "stop"
                     break
-                if not m.accept_token(int(em[i][j])):
+                if not m.accept_token(int(t)):
                     c.last_valid, c.finish = j, "constraint_unsatisfiable"
                     break
         self._tick(t0)

@@ -108,6 +108,8 @@ class Pending:
     forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
     iteration_miss: str | None = None  # why the whole-iteration graph did not run it (None: it did)
     plan: StepPlan = field(default_factory=StepPlan)  # its depth and why
+    # Replayed the masked (grammar) graph: the matchers take its tokens at `finish`, on the host.
+    masked: bool = False
 
 
 @dataclass(frozen=True)

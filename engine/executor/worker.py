@@ -60,6 +60,7 @@ from mleagle.engine.sampling.processor import RowFlags, penalize
 from mleagle.engine.sampling.sampler import logprobs, sample
 
 log = logging.getLogger("mleagle.engine")
+MASKED = dataclasses.replace(PLAIN, constrained=True)  # a plain greedy batch with grammars (the masked graph)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class TargetWorker:
         # Whole-iteration graphs (plain greedy batches), one set per iteration depth (a speculative
         # worker's policy may run 0..S draft steps); `depth` is the depth of the iteration being built.
         self.iter_graphs: dict[int, IterationGraph] = {}
+        # The same for greedy decode steps (depth 0) with grammars: the masks come from a static buffer.
+        self.masked_graphs: dict[int, IterationGraph] = {}
         self.depth = 0
         self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
@@ -277,8 +280,27 @@ class TargetWorker:
         if why is not None:
             return f"iteration: per-forward graphs only ({why})"
         self.iter_graphs[depth] = g
-        return (f"iteration ({self.iteration_name}): buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), "
+        line = (f"iteration ({self.iteration_name}): buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), "
                 f"{g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        if depth == 0:  # a greedy decode step whose grammars mask it: the same body, masks from a static buffer
+            self.constrain.init_graph(buckets[-1])
+
+            def masked(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+                self.depth, self.constrain.static = 0, True
+                try:
+                    return self._body(rpi, live, MASKED, self.capture_view(int(rpi.shape[0])), True, None)
+                finally:
+                    self.constrain.static = False
+
+            m = IterationGraph(self.iteration_name + " (grammar mask)", masked, meta, buckets,
+                               self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
+            why = self._try_capture("the masked iteration", m.capture, s)
+            if why is None:
+                self.masked_graphs[0] = m
+                line += f"; with grammar masks {m.stats.capture_mb:.0f} MiB, {m.stats.capture_s:.2f} s"
+            else:
+                line += f"; grammar-masked steps eager ({why})"
+        return line
 
     @property
     def iteration_name(self) -> str:
@@ -348,6 +370,7 @@ class TargetWorker:
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
         if flags.constrained:  # constrain: grammar masks and logit bias
             x_raw = self.constrain.mask(x_raw)
+            flags = dataclasses.replace(flags, constrained=False)  # masked: the rest is as for any row
         if flags.plain:
             return x_raw.argmax(-1)
         rows = self.state.rows(rpi, 1, flags)
@@ -397,8 +420,13 @@ class TargetWorker:
         g = self.iter_graphs.get(self.depth)
         if g is None:
             return "no iteration graph"
-        if flags.constrained:
-            return "constrained"
+        if flags.constrained:  # grammars: the masked graph, if the rest of the batch is plain greedy
+            g = self.masked_graphs.get(self.depth)
+            if g is None:
+                return "constrained"
+            if not self.constrain.graphable():
+                return "logit bias"
+            flags = dataclasses.replace(flags, constrained=False)
         if not flags.plain:
             return "sampling"
         if flags.logprobs >= 0:
@@ -435,14 +463,24 @@ class TargetWorker:
         flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
         flags = self.constrain.begin(reqs, flags)  # constrain: constrained batches are never `plain`
         why = self.iteration_miss(flags, bs)
-        if why is None:
+        masked = why is None and flags.constrained
+        if masked:  # the grammars' masks into the static buffer, then the masked graph
+            self.constrain.fill_static(bs)
+            self.constrain.static = True
+            try:
+                packed, pbs = self.masked_graphs[self.depth].run(rpi, bs)
+            finally:
+                self.constrain.static = False
+            self.forwards = self.replay_forwards(reqs, pbs)
+            timer.mark()
+        elif why is None:
             packed, pbs = self.iter_graphs[self.depth].run(rpi, bs)
             self.forwards = self.replay_forwards(reqs, pbs)
             timer.mark()  # one span: the whole iteration (nothing is timed inside a graph)
         else:
             packed, _ = self._body(rpi, None, flags, self.host_view(reqs), False, timer)
         p = self._send(reqs, self.width, flags, packed, timer)
-        p.iteration_miss, p.plan = why, plan
+        p.iteration_miss, p.plan, p.masked = why, plan, masked
         return p
 
     def _forward(self, r: ModelRunner, batch: ForwardBatch, eager: bool) -> ForwardOutput:
@@ -511,6 +549,8 @@ class TargetWorker:
                 continue
             r.kv_len += len(toks)
             res.append(StepResult(toks, lps))
+        if p.masked:  # the matchers take the masked graph's tokens (the runtime's batch is still p's)
+            self.constrain.commit_rows([x.tokens for x in res])
         self.on_finish(p, res)
         return res
 
@@ -524,7 +564,7 @@ class TargetWorker:
             r.num_forwards = 0
             if r.graphs is not None:
                 r.graphs.stats.replays.clear()
-        for g in self.iter_graphs.values():
+        for g in [*self.iter_graphs.values(), *self.masked_graphs.values()]:
             g.stats.replays.clear()
         for r in self.runners:
             for m in [*r.more_graphs, *([r.extend_graphs] if r.extend_graphs is not None else [])]:

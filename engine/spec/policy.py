@@ -26,8 +26,10 @@ so every return to S would pay a catch-up, and on the machines measured it never
 
 Modes: `auto` (the above), `always` (depth S, the fixed behaviour), `off` (depth 0, the draft never
 runs; its layers are not even prefilled), and `cycle` (0, 1, …, S, 0, … one per iteration: for tests
-that prove exactness through every switch). A constrained batch runs depth S whatever the mode but
-`off`: its masks are built per draft row.
+that prove exactness through every switch). A constrained batch runs depth S in every mode but `off`
+and `auto`; `auto` costs constrained batches apart (negative buckets, their own acceptance rates) and
+chooses for them too: a greedy constrained step at depth 0 replays the grammar-masked graph, while a
+drafting one builds its masks per draft row on the host, which on a GPU can cost more than it saves.
 
 Under tensor parallelism every rank must pick the same depth, so a rank's own timings are not used:
 rank 0's are queued (`take_published`) and reach every rank, rank 0 included, through the engine's
@@ -108,6 +110,10 @@ class SpecPolicy:
         self._fills = 0
         self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted
         self.acc_seen = [0] * steps  # request-iterations behind each a_j
+        # The same for constrained batches, which are costed apart too (their buckets are negative):
+        # grammars raise acceptance and change what an iteration costs at either depth.
+        self.acc_c = [0.0] * steps
+        self.acc_c_seen = [0] * steps
         self.current: dict[int, int] = {}  # bucket -> the depth it runs now
         self.visits: Counter[int] = Counter()
         self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
@@ -120,15 +126,22 @@ class SpecPolicy:
         self.measured_gain = 0.0
 
     # --- choosing ------------------------------------------------------------------------------
-    def tokens(self, depth: int) -> float:
+    def tokens(self, depth: int, constrained: bool = False) -> float:
         """Expected tokens per request from one iteration of `depth`: 1 + a_1 + … + a_depth."""
-        return 1.0 + sum(self.acc[:depth])
+        return 1.0 + sum((self.acc_c if constrained else self.acc)[:depth])
 
     def rate(self, b: int, depth: int) -> float:
-        """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket): a
-        drafting depth also pays the draft layers' share of the prompts arriving meanwhile."""
+        """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket; a
+        negative bucket is constrained batches'): a drafting depth also pays the draft layers' share
+        of the prompts arriving meanwhile."""
         extra = self.fill_cost * self.fills_per_iter if depth else 0.0
-        return self.tokens(depth) / (self.cost[(b, depth)] + extra)
+        return self.tokens(depth, b < 0) / (self.cost[(b, depth)] + extra)
+
+    @staticmethod
+    def key(bs: int, constrained: bool) -> int:
+        """The bucket a batch is costed in: `size_bucket`, negated for constrained batches."""
+        b = size_bucket(bs)
+        return -b if constrained else b
 
     def choose(self, bs: int, constrained: bool = False) -> Decision:
         t0 = time.perf_counter()
@@ -144,7 +157,7 @@ class SpecPolicy:
         s = self.steps
         if self.mode == "off":
             return Decision(0, "off")
-        if constrained:
+        if constrained and self.mode != "auto":
             return Decision(s, "constrained")
         if self.mode == "always":
             return Decision(s, "always")
@@ -154,7 +167,7 @@ class SpecPolicy:
         if self.warming:  # meet every depth `auto` may choose, and the catch-ups between them
             self._cycle += 1
             return Decision(self.choices[(self._cycle - 1) % len(self.choices)], "warm-up")
-        b = size_bucket(bs)
+        b = self.key(bs, constrained)
         self.visits[b] += 1
         self._since[b] += 1
         # The deepest first: it measures every acceptance rate.
@@ -198,27 +211,31 @@ class SpecPolicy:
         measurement)? A prefill then puts its draft prefill off."""
         return self.last.depth == 0 and not self.last.reason.startswith("explore")
 
-    def observe(self, bs: int, depth: int, accepted: list[int], seconds: float | None) -> None:
-        """One finished iteration: its depth, each request's accepted drafts, and its wall time (None
-        where it was not measurable: after a prefill or a catch-up, the interval holds them too)."""
+    def observe(self, bs: int, depth: int, accepted: list[int], seconds: float | None,
+                constrained: bool = False) -> None:
+        """One finished iteration: its depth, each request's accepted drafts, its wall time (None where
+        it was not measurable: after a prefill or a catch-up, the interval holds them too), and whether
+        the batch was constrained."""
         self.stats.iterations_by_depth[depth] += 1
         self.stats.tokens_gained += sum(accepted)
         self.fills_per_iter = 0.98 * self.fills_per_iter + 0.02 * self._fills  # about the last 50 iterations
         self._fills = 0
-        base = self.cost.get((size_bucket(bs), 0))
+        b = self.key(bs, constrained)
+        base = self.cost.get((b, 0))
         if seconds and base and (accepted or not depth):
             self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
         if accepted and depth:
+            acc, seen = (self.acc_c, self.acc_c_seen) if constrained else (self.acc, self.acc_seen)
             n = len(accepted)
             fresh = 1 - (1 - self.acc_alpha) ** n  # n request-iterations of evidence, exponentially
             for j in range(depth):
                 x = sum(1 for a in accepted if a > j) / n
                 # The plain mean until there are about 1/alpha observations, then the rolling average.
-                w = max(n / (self.acc_seen[j] + n), fresh)
-                self.acc[j] += w * (x - self.acc[j])
-                self.acc_seen[j] += n
+                w = max(n / (seen[j] + n), fresh)
+                acc[j] += w * (x - acc[j])
+                seen[j] += n
         if seconds is not None and seconds > 0:
-            self._report(size_bucket(bs), depth, seconds)
+            self._report(b, depth, seconds)
 
     def observe_catch_up(self, seconds: float) -> None:
         """One catch-up's wall time."""
@@ -265,7 +282,7 @@ class SpecPolicy:
         return {
             "mode": self.mode, "depth": self.last.depth, "reason": self.last.reason,
             "predicted_gain": self.last.predicted_gain, "measured_gain": self.measured_gain,
-            "acceptance": list(self.acc), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
+            "acceptance": list(self.acc), "acceptance_constrained": list(self.acc_c), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
             "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_iteration": round(self.fills_per_iter, 4),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             **{k: v for k, v in vars(self.stats).items()},

@@ -593,7 +593,7 @@ class SpecWorker(TargetWorker):
         # (in overlap the device time of this one, else its launch, forwards and the host's bookkeeping).
         dt = now - self._last_done if self._last_done is not None else None
         self._last_done = now
-        self.policy.observe(len(p.reqs), depth, [a for a, out in zip(acc, res) if out.tokens], dt)
+        self.policy.observe(len(p.reqs), depth, [a for a, out in zip(acc, res) if out.tokens], dt, p.flags.constrained)
         if depth == self.steps:  # every draft layer ran over the committed positions
             for r, out in zip(p.reqs, res):
                 if out.tokens and r.draft_state is not None:

@@ -262,3 +262,29 @@ def test_preempted_constrained_requests_resume_exactly(draft: str) -> None:
     got = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert [c.token_ids for c in got] == ref
+
+
+@pytest.mark.parametrize(("draft", "policy"), [("none", "always"), ("random:2:1", "auto")])
+def test_grammar_batches_replay_the_masked_graph_exactly(draft: str, policy: str) -> None:
+    """Greedy decode steps whose constraints are grammars only replay the grammar-masked whole-iteration
+    graph (emulated: its static mask buffer filled before each replay, the matchers fed from the
+    results): the output equals the eager engine's token for token, and the steps count as replays.
+    A batch with a logit bias, logprobs or penalties stays on the eager path, by reason."""
+    gram = [(p, so) for p, so in CASES if so]
+    params = [SamplingParams(temperature=0, max_new_tokens=20, structured_outputs=StructuredOutputs(**so)) for _, so in gram]
+    ref = constrained(tiny_engine("none"))
+    want = [c.token_ids for c in ref.generate([p for p, _ in gram], params)]
+    e = constrained(tiny_engine(draft, graph_emulate=True, spec_policy=policy))
+    assert 0 in e.worker.masked_graphs, e.graph_report
+    misses: list[str | None] = []
+    e.observers.append(lambda outs, rep: misses.append(rep.finished.iteration_miss) if rep.finished else None)
+    got = [c.token_ids for c in e.generate([p for p, _ in gram], params)]
+    assert got == want
+    assert sum(e.worker.masked_graphs[0].stats.replays.values()) > 0 and None in misses
+    # A logit bias or logprobs beside the grammars: the eager path, with its reason.
+    misses.clear()
+    mixed = [*params[:2], SamplingParams(temperature=0, max_new_tokens=20, logit_bias={"3": 5.0}, logprobs=1)]
+    got = [c.token_ids for c in e.generate([p for p, _ in gram[:3]], mixed)]
+    assert got == [c.token_ids for c in ref.generate([p for p, _ in gram[:3]], mixed)]
+    if draft == "none":
+        assert "logit bias" in misses and None not in misses[: misses.index("logit bias") + 1]

@@ -179,3 +179,20 @@ def test_prefill_graphs_keep_greedy_output_exact() -> None:
         assert run(e, [p], greedy(8)) == run(ref, [p], greedy(8))
     assert sum(e.runners[0].extend_graphs.stats.replays.values()) > len(prompts)
     assert all_free(e)
+
+
+@pytest.mark.parametrize(("draft", "policy"), [("none", "always"), ("random:2:1", "auto")])
+def test_grammar_masked_graph_equals_eager(draft: str, policy: str) -> None:
+    """Greedy decode steps with grammars replay the masked whole-iteration graph on the GPU (the static
+    mask buffer filled before each replay): the output equals an engine without graphs, float32."""
+    from mleagle.engine.contract.sampling_params import StructuredOutputs
+    from tests.engine.test_constrain_engine import CASES, constrained
+
+    gram = [(p, so) for p, so in CASES if so]
+    params = [SamplingParams(temperature=0, max_new_tokens=20, structured_outputs=StructuredOutputs(**so)) for _, so in gram]
+    ref = constrained(_engine("none", cuda_graph=False))
+    e = constrained(_engine(draft, spec_policy=policy))
+    assert 0 in e.worker.masked_graphs, e.graph_report
+    assert run(e, [p for p, _ in gram], params) == run(ref, [p for p, _ in gram], params)
+    assert sum(e.worker.masked_graphs[0].stats.replays.values()) > 0
+    assert all_free(e)
