@@ -47,6 +47,10 @@ class Timer:
         else:
             self.marks.append(time.perf_counter())
 
+    def ready(self) -> bool:
+        """Has the device passed the last mark (always, on the CPU)? Then `spans` does not wait."""
+        return not self.cuda or not self.marks or bool(self.marks[-1].query())
+
     def spans(self) -> list[float]:
         """Seconds between consecutive marks. On CUDA this waits for the last mark (a no-op once a later
         sync covered it): an event the device has not reached yet has no time to read."""

@@ -135,7 +135,8 @@ class SpecWorker(TargetWorker):
         self.last = IterationStats()
         self.boundary_kv_stale_positions = 0
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
-        self._prefill_timers: list[Timer] = []  # draft-prefill spans not read yet
+        # Prefill spans not read yet: (timer, whether its last span is a draft prefill).
+        self._prefill_timers: list[tuple[Timer, bool]] = []
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -194,6 +195,10 @@ class SpecWorker(TargetWorker):
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
+        # The prefill's spans (the target's, then the draft layers'): the policy takes them out of the
+        # interval between the iteration ends around it, which they would otherwise inflate.
+        timer = Timer(self.device)
+        timer.mark()
         self.admit(reqs)
         batch = self.prefill_batch(reqs, chunks)
         out = self.target.forward(batch)
@@ -211,15 +216,14 @@ class SpecWorker(TargetWorker):
                 r.draft_state.hidden_stash.append(h.clone() if out.graph_bs else h)
             off += c
         results = self.finish_prefill(reqs, chunks, batch, out)
+        timer.mark()
         done = [i for i, r in enumerate(reqs) if not r.prefilling]
-        self._last_done = None  # the next iteration's interval holds this prefill
         if not self.drafting:  # policy off: the draft layers never run
             for i in done:
                 reqs[i].draft_state.hidden_stash = []
+            self._prefill_timers.append((timer, False))
             return results
         if done:
-            timer = Timer(self.device)
-            timer.mark()
             bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
             self.policy.note_fill()
             if not pooled:
@@ -234,9 +238,8 @@ class SpecWorker(TargetWorker):
                 for i in done:
                     reqs[i].draft_state.depth = 0
             timer.mark()
-            # Read once a later iteration's sync has passed it (`on_finish`): reading now would wait for
-            # the draft prefill and stall the overlapped schedule.
-            self._prefill_timers.append(timer)
+        # Read once its last mark has passed (`on_finish`): reading now would wait for the draft prefill.
+        self._prefill_timers.append((timer, bool(done)))
         return results
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
@@ -589,18 +592,28 @@ class SpecWorker(TargetWorker):
         acc = [int(row[p.width]) - 1 for row in rows]
         depth = p.width - 1
         now = time.perf_counter()
-        # The policy's clock: the wall time between two iterations' ends with nothing else between them
-        # (in overlap the device time of this one, else its launch, forwards and the host's bookkeeping).
-        dt = now - self._last_done if self._last_done is not None else None
+        # The policy's clock: the wall time between two iterations' ends (in overlap the device time of
+        # this one, else its launch, forwards and the host's bookkeeping), less the prefills that ran in
+        # between (a mixed step's ran on the stream behind the iteration before this one).
+        pre, left = 0.0, []
+        for t, drafted in self._prefill_timers:
+            if not t.ready():
+                left.append((t, drafted))
+                continue
+            sp = t.spans()
+            pre += sum(sp)
+            if drafted:
+                self.stats.draft_time_s += sp[-1]
+        self._prefill_timers = left
+        dt = now - self._last_done - pre if self._last_done is not None else None
         self._last_done = now
+        if dt is not None and dt <= 0:
+            dt = None
         self.policy.observe(len(p.reqs), depth, [a for a, out in zip(acc, res) if out.tokens], dt, p.flags.constrained)
         if depth == self.steps:  # every draft layer ran over the committed positions
             for r, out in zip(p.reqs, res):
                 if out.tokens and r.draft_state is not None:
                     r.draft_state.valid = r.kv_len
-        for t in self._prefill_timers:  # recorded before this iteration's sync: complete now
-            self.stats.draft_time_s += sum(t.spans())
-        self._prefill_timers.clear()
         if depth == 0:  # a plain decode step: nothing drafted, nothing to count as speculation
             return
         spans = p.timer.spans()
@@ -637,6 +650,7 @@ class SpecWorker(TargetWorker):
         self.boundary_kv_stale_positions = 0
         self.policy.reset()
         self._last_done = None
+        self._prefill_timers = []
 
     def kv_valid_len(self, req: Req) -> int:
         """Draft pools are filled when a request's prefill completes: until then only its cached prefix
