@@ -600,10 +600,10 @@ class SpecWorker(TargetWorker):
             if not t.ready():
                 left.append((t, drafted))
                 continue
-            sp = t.spans()
-            pre += sum(sp)
+            marks = t.spans()
+            pre += sum(marks)
             if drafted:
-                self.stats.draft_time_s += sp[-1]
+                self.stats.draft_time_s += marks[-1]
         self._prefill_timers = left
         dt = now - self._last_done - pre if self._last_done is not None else None
         self._last_done = now
