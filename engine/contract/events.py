@@ -55,7 +55,9 @@ class BatchEvent(_Base):
 
     `num_tokens_per_req[i]` is the tokens request `rids[i]` contributed (extend length for EXTEND,
     1 for DECODE, W = S+1 for TARGET_VERIFY / DRAFT_EXTEND). `num_tokens` is their sum. `bs` is the raw
-    batch size, `padded_bs` the graph bucket it was padded to (== bs when eager). `eager_reason` says
+    batch size, `padded_bs` the graph bucket it was padded to (== bs when eager; for an EXTEND on a
+    prefill graph, the token bucket). A MIXED step (a prefill beside the decode iteration in flight)
+    reports each forward with its own mode. `eager_reason` says
     why it did not replay a graph: "cpu", "disabled", "bs>max_bucket", "extend", "tp-layout", ...
     `runner` is "target" for the target forward of the step; draft-extend forwards of layer k use
     "draft{k}" when the engine reports them separately. `num_running`/`num_waiting` are the scheduler's
