@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -261,6 +262,149 @@ def test_prose_prompts_are_distinct_deterministic_and_decontaminated(tmp_path: P
     got = D.training_prompts(tmp_path, extra=[out], sources=["prose_synth"])
     assert len(got) == 500 and {p.source for p in got} == {"prose_synth"}
     assert pp.main(["--out", str(out), "--data-dir", str(tmp_path / "none")]) == 2  # nothing to decontaminate against
+
+
+# --- long-input training prompts and the held-out task suite ------------------------------------------
+FRENCH = [  # two made-up catalogues' translations (one per share of the split), so no test reads the OS's
+    "Le serveur refuse la connexion parce que le certificat du client a expiré depuis plusieurs jours.",
+    "Vérifiez que le fichier de configuration existe et que vous avez le droit de le lire.",
+    "La sauvegarde automatique des données sera lancée chaque nuit à une heure fixée par l'administrateur.",
+    "Cette commande supprime les paquets devenus inutiles, mais elle ne touche pas aux fichiers de l'utilisateur.",
+    "Une erreur est survenue pendant la lecture du disque, et une partie des résultats est peut-être perdue.",
+    "Le programme attend une réponse du réseau depuis trop longtemps et abandonne la tentative en cours.",
+    "Pour changer la langue de l'interface, ouvrez les préférences puis choisissez une autre région dans la liste.",
+    "Les modifications ne seront pas enregistrées tant que vous n'aurez pas confirmé votre choix dans la fenêtre.",
+    "La mise à jour du système a échoué car il ne reste plus assez de place sur la partition principale.",
+    "Le mot de passe saisi ne correspond pas à celui qui est enregistré pour ce compte depuis hier.",
+    "Chaque utilisateur peut définir ses propres raccourcis clavier dans le menu des options avancées.",
+    "Le journal des événements contient la liste complète des avertissements émis depuis le dernier démarrage.",
+    "Si le problème persiste, contactez le service technique en joignant une copie du message d'erreur.",
+    "L'imprimante n'a pas répondu, et le document a été placé dans la file d'attente pour plus tard.",
+    "La copie des fichiers vers le dossier partagé prendra quelques minutes selon la vitesse du réseau.",
+    "Le module demandé est introuvable, mais une version plus ancienne est disponible dans le dépôt officiel.",
+]
+LONG_MODULES = ("argparse", "bisect", "calendar", "contextlib", "csv", "fileinput", "ftplib", "heapq", "json",
+                "shutil", "textwrap", "zipfile")
+LONG_BOUNDS = (60, 160)  # words of a given text in these tests (the scripts' defaults: 150, 400)
+
+
+def _write_mo(path: Path, pairs: dict[str, str]) -> None:
+    """A little-endian GNU gettext catalogue (no hash table) with `pairs` and a UTF-8 header."""
+    import struct
+
+    items = sorted({"": "Content-Type: text/plain; charset=UTF-8\n", **pairs}.items())
+    n, keys, vals = len(items), [k.encode() for k, _ in items], [v.encode() for _, v in items]
+    off, table = 28 + 16 * n, b""
+    for group in (keys, vals):
+        for b in group:
+            table += struct.pack("<2I", len(b), off)
+            off += len(b) + 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<7I", 0x950412DE, 0, n, 28, 28 + 8 * n, 0, 0) + table[: 8 * n] + table[8 * n :]
+                     + b"".join(b + b"\0" for b in keys + vals))
+
+
+@pytest.fixture(scope="module")
+def long_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The script (imported by name from scripts/, as the scripts import each other), a
+    small source pool (the language reference, a dozen standard-library modules, a French catalogue in
+    each share), the real tokenizer and a data folder with one evaluation turn of each set."""
+    import importlib
+    import sys
+
+    path = list(sys.path)
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    try:
+        L = importlib.import_module("long_input_prompts")
+    finally:
+        sys.path[:] = path
+    root = tmp_path_factory.mktemp("long")
+    names = [f"demo{i}" for i in range(40)]
+    for share, sents in (("train", FRENCH[:8]), ("eval", FRENCH[8:])):
+        name = next(x for x in names if L.split_of(f"locale:fr:{x}") == share)
+        _write_mo(root / "locale" / "fr" / "LC_MESSAGES" / f"{name}.mo", {f"message {i}": s for i, s in enumerate(sents)})
+    docs = L.documents(("pydoc", "stdlib", "locale"), locale_dir=str(root / "locale"), modules=LONG_MODULES)
+    ddir = root / "data"
+    ddir.mkdir()
+    for name, turn in (("mt_bench", "Write a poem."), ("gsm8k_test", "How many apples are left?"),
+                       ("alpaca_eval", "What is a good name for a cat?")):
+        (ddir / f"{name}.jsonl").write_text(json.dumps({"turns": [turn]}) + "\n")
+    (ddir / "prompts.jsonl").write_text(json.dumps({"prompt": "Explain recursion.", "source": "x"}) + "\n")
+    return {"L": L, "docs": docs, "tok": L.tokenizer(), "ddir": ddir, "root": root}
+
+
+def test_long_input_sources_are_clean_prose_cut_at_sentence_ends(long_env: dict[str, Any]) -> None:
+    """The source pool: prose paragraphs only (markup, code and tables gone), each paragraph in one
+    document, every document in one share by its name; passages end at a sentence's end within their
+    word bounds."""
+    L, docs = long_env["L"], long_env["docs"]
+    md = ("# Title\n\n[![badge](https://x/y.svg)](https://x)\n\nThe **tool** reads [files](https://x/docs) and "
+          "writes `reports` for you.\n\n```python\nx = f(1)\n```\n\n    indented = code()\n\n| a | b |\n|---|---|\n\n"
+          "Another paragraph that is long enough to keep around.\n")
+    assert L.paragraphs(md) == ["The tool reads files and writes reports for you.",
+                                "Another paragraph that is long enough to keep around."]
+    assert not L.prose_ok("for i in range(10): total += values[i] * weights[i] -> result;")
+    assert not L.prose_ok("Le fichier est introuvable dans le répertoire de travail courant.")  # not English
+    assert L.prose_ok("Le fichier est introuvable dans le répertoire de travail courant.", "fr")
+    ids = [d.id for d in docs]
+    assert len(ids) == len(set(ids)) and {L.split_of(i) for i in ids} == {"train", "eval"}
+    assert {i.split(":")[0] for i in ids} == {"pydoc", "stdlib", "locale"}
+    paras = [p for d in docs for p in d.paras]
+    assert len(paras) == len(set(paras)) and not any("```" in p or "](" in p or ">>>" in p for p in paras)
+    lo, hi = LONG_BOUNDS
+    for d in docs[:40]:
+        for p in L.passages(d, lo, hi, 0):
+            assert lo <= p.words <= hi and p.text.endswith((".", "!", "?", '"', "'", ")", "”"))
+            assert all(s in d.paras[0] or any(s in q for q in d.paras) for s in p.sents())
+    assert [p.text for p in L.passages(docs[3], lo, hi, 0)] == [p.text for p in L.passages(docs[3], lo, hi, 0)]
+
+
+def test_long_input_prompts_fit_are_distinct_deterministic_and_decontaminated(long_env: dict[str, Any],
+                                                                             tmp_path: Path) -> None:
+    """scripts/long_input_prompts.py: n distinct prompts in the kinds' shares, the same for a seed, every
+    given text within its word bounds and every prompt within the token limit as the real tokenizer
+    counts it templated, translations both ways, from training-share documents only; a prompt sharing
+    an 8-word run with an evaluation turn is dropped and counted; the file reads back as training
+    prompts of source long_input."""
+    L, docs, tok = long_env["L"], long_env["docs"], long_env["tok"]
+    lo, hi = LONG_BOUNDS
+    fit = L.Fitter(tok, 300)
+    rows, stats = L.make(60, 0, {}, docs, fit, min_words=lo, max_words=hi)
+    assert len({r["prompt"] for r in rows}) == len(rows) == 60 and stats == {"too_long": stats["too_long"]}
+    assert rows == L.make(60, 0, {}, docs, fit, min_words=lo, max_words=hi)[0]
+    assert [r["prompt"] for r in L.make(60, 1, {}, docs, fit, min_words=lo, max_words=hi)[0]] != [r["prompt"] for r in rows]
+    assert {k: sum(r["kind"] == k for r in rows) for k in L.KINDS} == L.quotas(60, L.KINDS)
+    cats = {r["category"] for r in rows}
+    assert "fr-en" in cats and cats & {"en-fr", "en-de", "en-es"} and "retrieval" in cats
+    tlo, thi = L.translation_bounds(lo, hi)
+    for r in rows:
+        assert r["tokens"] == len(tok.encode_chat([{"role": "user", "content": r["prompt"]}])) <= 300
+        assert (tlo <= r["words"] <= thi) if r["kind"] == "translate" else (lo <= r["words"] <= hi)
+        assert all(L.split_of(d) == "train" for d in r["docs"])
+    # Decontamination: an evaluation turn quoting one prompt's passage drops that prompt (and any other
+    # quoting it), counted by the set it came from.
+    victim = " ".join(max(rows[0]["prompt"].split("\n"), key=len).split()[:12])  # a line of its passage
+    (tmp_path / "alpaca_eval.jsonl").write_text(json.dumps({"turns": [f"Please explain: {victim}"]}) + "\n")
+    banned = L.eval_ngrams(tmp_path)
+    assert set(banned) == {"alpaca_eval"}
+    kept, stats = L.make(60, 0, banned, docs, fit, min_words=lo, max_words=hi)
+    assert stats["dropped_alpaca_eval"] > 0 and len(kept) == 60
+    assert not any(L.grams(r["prompt"]) & banned["alpaca_eval"] for r in kept)
+    # The command: refuses without a suite to hold out; the file it writes is training data.
+    out, suite = tmp_path / "long.jsonl", tmp_path / "suite"
+    ddir = long_env["ddir"]
+    assert L.main(["--out", str(out), "--suite", str(suite), "--data-dir", str(ddir)]) == 2
+    suite.mkdir()
+    (suite / "qa.jsonl").write_text(json.dumps({"prompt": "What is heapq for?", "category": "module"}) + "\n")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(L, "documents", lambda **kw: docs)
+    try:
+        assert L.main(["--out", str(out), "--suite", str(suite), "--data-dir", str(ddir), "--n", "20",
+                       "--min-input-words", str(lo), "--max-input-words", str(hi)]) == 0
+    finally:
+        mp.undo()
+    got = D.training_prompts(ddir, extra=[out], sources=["long_input"])
+    assert len(got) == 20 and {p.source for p in got} == {"long_input"}
 
 
 def test_reduced_vocabulary_selection_and_mapping() -> None:
