@@ -306,7 +306,7 @@ def _write_mo(path: Path, pairs: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def long_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The script (imported by name from scripts/, as the scripts import each other), a
+    """The two scripts (imported by name from scripts/, as task_suite.py imports long_input_prompts), a
     small source pool (the language reference, a dozen standard-library modules, a French catalogue in
     each share), the real tokenizer and a data folder with one evaluation turn of each set."""
     import importlib
@@ -315,7 +315,7 @@ def long_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = list(sys.path)
     sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
     try:
-        L = importlib.import_module("long_input_prompts")
+        L, S = importlib.import_module("long_input_prompts"), importlib.import_module("task_suite")
     finally:
         sys.path[:] = path
     root = tmp_path_factory.mktemp("long")
@@ -330,7 +330,7 @@ def long_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                        ("alpaca_eval", "What is a good name for a cat?")):
         (ddir / f"{name}.jsonl").write_text(json.dumps({"turns": [turn]}) + "\n")
     (ddir / "prompts.jsonl").write_text(json.dumps({"prompt": "Explain recursion.", "source": "x"}) + "\n")
-    return {"L": L, "docs": docs, "tok": L.tokenizer(), "ddir": ddir, "root": root}
+    return {"L": L, "S": S, "docs": docs, "tok": L.tokenizer(), "ddir": ddir, "root": root}
 
 
 def test_long_input_sources_are_clean_prose_cut_at_sentence_ends(long_env: dict[str, Any]) -> None:
@@ -405,6 +405,55 @@ def test_long_input_prompts_fit_are_distinct_deterministic_and_decontaminated(lo
         mp.undo()
     got = D.training_prompts(ddir, extra=[out], sources=["long_input"])
     assert len(got) == 20 and {p.source for p in got} == {"long_input"}
+
+
+def test_task_suite_has_every_task_and_is_held_out_from_training(long_env: dict[str, Any], tmp_path: Path) -> None:
+    """scripts/task_suite.py: n prompts for each task type, the same for a seed, within the token limit
+    (the real tokenizer, templated) and their word bounds, only from evaluation-share documents; no
+    document and no 8-word run shared with the long-input training prompts (the suite holds out the
+    training share's text, the training set drops what shares a run with the suite), the shared prompts
+    or the prose prompts; the files load as `mleagle bench` / `train-draft eval` datasets."""
+    L, S, docs, tok = long_env["L"], long_env["S"], long_env["docs"], long_env["tok"]
+    lo, hi = LONG_BOUNDS
+    fit = L.Fitter(tok, 400)
+    banned = S.banned_for_suite(long_env["ddir"], [], docs)
+    assert set(banned) == {"prompts_jsonl", "prose", "train_docs"}
+    suite, _ = S.make(8, 0, banned, docs, fit, min_words=lo, max_words=hi)
+    assert {t: len(r) for t, r in suite.items()} == dict.fromkeys(S.TASKS, 8)
+    assert suite == S.make(8, 0, banned, docs, fit, min_words=lo, max_words=hi)[0]
+    tlo, thi = L.translation_bounds(lo, hi)
+    bounds = {"translation": (tlo, thi), "grounded": (S.grounded_bounds(lo, hi)[0], hi), "summarisation": (lo, hi)}
+    ev_docs = set()
+    for task, rows in suite.items():
+        assert len({r["prompt"] for r in rows}) == len(rows) and {r["task"] for r in rows} == {task}
+        for r in rows:
+            assert r["tokens"] == len(tok.encode_chat([{"role": "user", "content": r["prompt"]}])) <= 400
+            b = bounds.get(task, (0, 0))
+            assert b[0] <= r["words"] <= b[1] and all(L.split_of(d) == "eval" for d in r["docs"])
+            ev_docs |= set(r["docs"])
+    assert {r["category"] for r in suite["translation"]} >= {"fr-en"} and "reference" in suite["math"][0]
+    assert all(r["docs"] for t in ("code", "grounded", "translation", "qa", "summarisation") for r in suite[t])
+    # Training prompts against the suite: no document in both, no shared 8-gram either way.
+    ev_prompts = [r["prompt"] for rows in suite.values() for r in rows]
+    ban = {"suite": {g for p in ev_prompts for g in L.grams(p)}}
+    train, _ = L.make(80, 0, ban, docs, L.Fitter(tok, 400), min_words=lo, max_words=hi)
+    assert len(train) == 80 and not ev_docs & {d for r in train for d in r["docs"]}
+    train_grams = {g for r in train for g in L.grams(r["prompt"])}
+    assert not train_grams & ban["suite"]
+    assert not any(L.grams(p) & (banned["prompts_jsonl"] | banned["prose"] | banned["train_docs"]) for p in ev_prompts)
+    # The files, as the evaluation reads them (a JSONL path is a dataset: no code change needed).
+    from mleagle.engine.entrypoints.bench import read_categories, read_first_turns
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(L, "documents", lambda **kw: docs)
+    try:
+        assert S.main(["--out-dir", str(tmp_path / "suite"), "--n", "4", "--data-dir", str(long_env["ddir"]),
+                       "--min-input-words", str(lo), "--max-input-words", str(hi)]) == 0
+    finally:
+        mp.undo()
+    for task in S.TASKS:
+        f = tmp_path / "suite" / f"{task}.jsonl"
+        assert len(read_first_turns(str(f), tmp_path)) == 4 and None not in read_categories(str(f), tmp_path)
 
 
 def test_reduced_vocabulary_selection_and_mapping() -> None:
