@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -261,6 +262,198 @@ def test_prose_prompts_are_distinct_deterministic_and_decontaminated(tmp_path: P
     got = D.training_prompts(tmp_path, extra=[out], sources=["prose_synth"])
     assert len(got) == 500 and {p.source for p in got} == {"prose_synth"}
     assert pp.main(["--out", str(out), "--data-dir", str(tmp_path / "none")]) == 2  # nothing to decontaminate against
+
+
+# --- long-input training prompts and the held-out task suite ------------------------------------------
+FRENCH = [  # two made-up catalogues' translations (one per share of the split), so no test reads the OS's
+    "Le serveur refuse la connexion parce que le certificat du client a expiré depuis plusieurs jours.",
+    "Vérifiez que le fichier de configuration existe et que vous avez le droit de le lire.",
+    "La sauvegarde automatique des données sera lancée chaque nuit à une heure fixée par l'administrateur.",
+    "Cette commande supprime les paquets devenus inutiles, mais elle ne touche pas aux fichiers de l'utilisateur.",
+    "Une erreur est survenue pendant la lecture du disque, et une partie des résultats est peut-être perdue.",
+    "Le programme attend une réponse du réseau depuis trop longtemps et abandonne la tentative en cours.",
+    "Pour changer la langue de l'interface, ouvrez les préférences puis choisissez une autre région dans la liste.",
+    "Les modifications ne seront pas enregistrées tant que vous n'aurez pas confirmé votre choix dans la fenêtre.",
+    "La mise à jour du système a échoué car il ne reste plus assez de place sur la partition principale.",
+    "Le mot de passe saisi ne correspond pas à celui qui est enregistré pour ce compte depuis hier.",
+    "Chaque utilisateur peut définir ses propres raccourcis clavier dans le menu des options avancées.",
+    "Le journal des événements contient la liste complète des avertissements émis depuis le dernier démarrage.",
+    "Si le problème persiste, contactez le service technique en joignant une copie du message d'erreur.",
+    "L'imprimante n'a pas répondu, et le document a été placé dans la file d'attente pour plus tard.",
+    "La copie des fichiers vers le dossier partagé prendra quelques minutes selon la vitesse du réseau.",
+    "Le module demandé est introuvable, mais une version plus ancienne est disponible dans le dépôt officiel.",
+]
+LONG_MODULES = ("argparse", "bisect", "calendar", "contextlib", "csv", "fileinput", "ftplib", "heapq", "json",
+                "shutil", "textwrap", "zipfile")
+LONG_BOUNDS = (60, 160)  # words of a given text in these tests (the scripts' defaults: 150, 400)
+
+
+def _write_mo(path: Path, pairs: dict[str, str]) -> None:
+    """A little-endian GNU gettext catalogue (no hash table) with `pairs` and a UTF-8 header."""
+    import struct
+
+    items = sorted({"": "Content-Type: text/plain; charset=UTF-8\n", **pairs}.items())
+    n, keys, vals = len(items), [k.encode() for k, _ in items], [v.encode() for _, v in items]
+    off, table = 28 + 16 * n, b""
+    for group in (keys, vals):
+        for b in group:
+            table += struct.pack("<2I", len(b), off)
+            off += len(b) + 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<7I", 0x950412DE, 0, n, 28, 28 + 8 * n, 0, 0) + table[: 8 * n] + table[8 * n :]
+                     + b"".join(b + b"\0" for b in keys + vals))
+
+
+@pytest.fixture(scope="module")
+def long_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The two scripts (imported by name from scripts/, as task_suite.py imports long_input_prompts), a
+    small source pool (the language reference, a dozen standard-library modules, a French catalogue in
+    each share), the real tokenizer and a data folder with one evaluation turn of each set."""
+    import importlib
+    import sys
+
+    path = list(sys.path)
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    try:
+        L, S = importlib.import_module("long_input_prompts"), importlib.import_module("task_suite")
+    finally:
+        sys.path[:] = path
+    root = tmp_path_factory.mktemp("long")
+    names = [f"demo{i}" for i in range(40)]
+    for share, sents in (("train", FRENCH[:8]), ("eval", FRENCH[8:])):
+        name = next(x for x in names if L.split_of(f"locale:fr:{x}") == share)
+        _write_mo(root / "locale" / "fr" / "LC_MESSAGES" / f"{name}.mo", {f"message {i}": s for i, s in enumerate(sents)})
+    docs = L.documents(("pydoc", "stdlib", "locale"), locale_dir=str(root / "locale"), modules=LONG_MODULES)
+    ddir = root / "data"
+    ddir.mkdir()
+    for name, turn in (("mt_bench", "Write a poem."), ("gsm8k_test", "How many apples are left?"),
+                       ("alpaca_eval", "What is a good name for a cat?")):
+        (ddir / f"{name}.jsonl").write_text(json.dumps({"turns": [turn]}) + "\n")
+    (ddir / "prompts.jsonl").write_text(json.dumps({"prompt": "Explain recursion.", "source": "x"}) + "\n")
+    return {"L": L, "S": S, "docs": docs, "tok": L.tokenizer(), "ddir": ddir, "root": root}
+
+
+def test_long_input_sources_are_clean_prose_cut_at_sentence_ends(long_env: dict[str, Any]) -> None:
+    """The source pool: prose paragraphs only (markup, code and tables gone), each paragraph in one
+    document, every document in one share by its name; passages end at a sentence's end within their
+    word bounds."""
+    L, docs = long_env["L"], long_env["docs"]
+    md = ("# Title\n\n[![badge](https://x/y.svg)](https://x)\n\nThe **tool** reads [files](https://x/docs) and "
+          "writes `reports` for you.\n\n```python\nx = f(1)\n```\n\n    indented = code()\n\n| a | b |\n|---|---|\n\n"
+          "Another paragraph that is long enough to keep around.\n")
+    assert L.paragraphs(md) == ["The tool reads files and writes reports for you.",
+                                "Another paragraph that is long enough to keep around."]
+    assert not L.prose_ok("for i in range(10): total += values[i] * weights[i] -> result;")
+    assert not L.prose_ok("Le fichier est introuvable dans le répertoire de travail courant.")  # not English
+    assert L.prose_ok("Le fichier est introuvable dans le répertoire de travail courant.", "fr")
+    ids = [d.id for d in docs]
+    assert len(ids) == len(set(ids)) and {L.split_of(i) for i in ids} == {"train", "eval"}
+    assert {i.split(":")[0] for i in ids} == {"pydoc", "stdlib", "locale"}
+    paras = [p for d in docs for p in d.paras]
+    assert len(paras) == len(set(paras)) and not any("```" in p or "](" in p or ">>>" in p for p in paras)
+    lo, hi = LONG_BOUNDS
+    for d in docs[:40]:
+        for p in L.passages(d, lo, hi, 0):
+            assert lo <= p.words <= hi and p.text.endswith((".", "!", "?", '"', "'", ")", "”"))
+            assert all(s in d.paras[0] or any(s in q for q in d.paras) for s in p.sents())
+    assert [p.text for p in L.passages(docs[3], lo, hi, 0)] == [p.text for p in L.passages(docs[3], lo, hi, 0)]
+
+
+def test_long_input_prompts_fit_are_distinct_deterministic_and_decontaminated(long_env: dict[str, Any],
+                                                                             tmp_path: Path) -> None:
+    """scripts/long_input_prompts.py: n distinct prompts in the kinds' shares, the same for a seed, every
+    given text within its word bounds and every prompt within the token limit as the real tokenizer
+    counts it templated, translations both ways, from training-share documents only; a prompt sharing
+    an 8-word run with an evaluation turn is dropped and counted; the file reads back as training
+    prompts of source long_input."""
+    L, docs, tok = long_env["L"], long_env["docs"], long_env["tok"]
+    lo, hi = LONG_BOUNDS
+    fit = L.Fitter(tok, 300)
+    rows, stats = L.make(60, 0, {}, docs, fit, min_words=lo, max_words=hi)
+    assert len({r["prompt"] for r in rows}) == len(rows) == 60 and stats == {"too_long": stats["too_long"]}
+    assert rows == L.make(60, 0, {}, docs, fit, min_words=lo, max_words=hi)[0]
+    assert [r["prompt"] for r in L.make(60, 1, {}, docs, fit, min_words=lo, max_words=hi)[0]] != [r["prompt"] for r in rows]
+    assert {k: sum(r["kind"] == k for r in rows) for k in L.KINDS} == L.quotas(60, L.KINDS)
+    cats = {r["category"] for r in rows}
+    assert "fr-en" in cats and cats & {"en-fr", "en-de", "en-es"} and "retrieval" in cats
+    tlo, thi = L.translation_bounds(lo, hi)
+    for r in rows:
+        assert r["tokens"] == len(tok.encode_chat([{"role": "user", "content": r["prompt"]}])) <= 300
+        assert (tlo <= r["words"] <= thi) if r["kind"] == "translate" else (lo <= r["words"] <= hi)
+        assert all(L.split_of(d) == "train" for d in r["docs"])
+    # Decontamination: an evaluation turn quoting one prompt's passage drops that prompt (and any other
+    # quoting it), counted by the set it came from.
+    victim = " ".join(max(rows[0]["prompt"].split("\n"), key=len).split()[:12])  # a line of its passage
+    (tmp_path / "alpaca_eval.jsonl").write_text(json.dumps({"turns": [f"Please explain: {victim}"]}) + "\n")
+    banned = L.eval_ngrams(tmp_path)
+    assert set(banned) == {"alpaca_eval"}
+    kept, stats = L.make(60, 0, banned, docs, fit, min_words=lo, max_words=hi)
+    assert stats["dropped_alpaca_eval"] > 0 and len(kept) == 60
+    assert not any(L.grams(r["prompt"]) & banned["alpaca_eval"] for r in kept)
+    # The command: refuses without a suite to hold out; the file it writes is training data.
+    out, suite = tmp_path / "long.jsonl", tmp_path / "suite"
+    ddir = long_env["ddir"]
+    assert L.main(["--out", str(out), "--suite", str(suite), "--data-dir", str(ddir)]) == 2
+    suite.mkdir()
+    (suite / "qa.jsonl").write_text(json.dumps({"prompt": "What is heapq for?", "category": "module"}) + "\n")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(L, "documents", lambda **kw: docs)
+    try:
+        assert L.main(["--out", str(out), "--suite", str(suite), "--data-dir", str(ddir), "--n", "20",
+                       "--min-input-words", str(lo), "--max-input-words", str(hi)]) == 0
+    finally:
+        mp.undo()
+    got = D.training_prompts(ddir, extra=[out], sources=["long_input"])
+    assert len(got) == 20 and {p.source for p in got} == {"long_input"}
+
+
+def test_task_suite_has_every_task_and_is_held_out_from_training(long_env: dict[str, Any], tmp_path: Path) -> None:
+    """scripts/task_suite.py: n prompts for each task type, the same for a seed, within the token limit
+    (the real tokenizer, templated) and their word bounds, only from evaluation-share documents; no
+    document and no 8-word run shared with the long-input training prompts (the suite holds out the
+    training share's text, the training set drops what shares a run with the suite), the shared prompts
+    or the prose prompts; the files load as `mleagle bench` / `train-draft eval` datasets."""
+    L, S, docs, tok = long_env["L"], long_env["S"], long_env["docs"], long_env["tok"]
+    lo, hi = LONG_BOUNDS
+    fit = L.Fitter(tok, 400)
+    banned = S.banned_for_suite(long_env["ddir"], [], docs)
+    assert set(banned) == {"prompts_jsonl", "prose", "train_docs"}
+    suite, _ = S.make(8, 0, banned, docs, fit, min_words=lo, max_words=hi)
+    assert {t: len(r) for t, r in suite.items()} == dict.fromkeys(S.TASKS, 8)
+    assert suite == S.make(8, 0, banned, docs, fit, min_words=lo, max_words=hi)[0]
+    tlo, thi = L.translation_bounds(lo, hi)
+    bounds = {"translation": (tlo, thi), "grounded": (S.grounded_bounds(lo, hi)[0], hi), "summarisation": (lo, hi)}
+    ev_docs = set()
+    for task, rows in suite.items():
+        assert len({r["prompt"] for r in rows}) == len(rows) and {r["task"] for r in rows} == {task}
+        for r in rows:
+            assert r["tokens"] == len(tok.encode_chat([{"role": "user", "content": r["prompt"]}])) <= 400
+            b = bounds.get(task, (0, 0))
+            assert b[0] <= r["words"] <= b[1] and all(L.split_of(d) == "eval" for d in r["docs"])
+            ev_docs |= set(r["docs"])
+    assert {r["category"] for r in suite["translation"]} >= {"fr-en"} and "reference" in suite["math"][0]
+    assert all(r["docs"] for t in ("code", "grounded", "translation", "qa", "summarisation") for r in suite[t])
+    # Training prompts against the suite: no document in both, no shared 8-gram either way.
+    ev_prompts = [r["prompt"] for rows in suite.values() for r in rows]
+    ban = {"suite": {g for p in ev_prompts for g in L.grams(p)}}
+    train, _ = L.make(80, 0, ban, docs, L.Fitter(tok, 400), min_words=lo, max_words=hi)
+    assert len(train) == 80 and not ev_docs & {d for r in train for d in r["docs"]}
+    train_grams = {g for r in train for g in L.grams(r["prompt"])}
+    assert not train_grams & ban["suite"]
+    assert not any(L.grams(p) & (banned["prompts_jsonl"] | banned["prose"] | banned["train_docs"]) for p in ev_prompts)
+    # The files, as the evaluation reads them (a JSONL path is a dataset: no code change needed).
+    from mleagle.engine.entrypoints.bench import read_categories, read_first_turns
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(L, "documents", lambda **kw: docs)
+    try:
+        assert S.main(["--out-dir", str(tmp_path / "suite"), "--n", "4", "--data-dir", str(long_env["ddir"]),
+                       "--min-input-words", str(lo), "--max-input-words", str(hi)]) == 0
+    finally:
+        mp.undo()
+    for task in S.TASKS:
+        f = tmp_path / "suite" / f"{task}.jsonl"
+        assert len(read_first_turns(str(f), tmp_path)) == 4 and None not in read_categories(str(f), tmp_path)
 
 
 def test_reduced_vocabulary_selection_and_mapping() -> None:
