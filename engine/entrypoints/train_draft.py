@@ -30,6 +30,7 @@ from typing import Any
 from mleagle.engine.contract.cli_flags import DEVICES, DTYPES
 
 T_START = time.perf_counter()
+EVAL_PROMPTS = "eval_prompts.jsonl"  # under OUT: the prompts held out of --prompts for eval
 REPEAT_NGRAM = 16  # eval: a token repeats when it completes a 17-gram seen earlier in its response
 
 
@@ -58,6 +59,12 @@ def _gen(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature-mix", default="0=0.75,0.7=0.25", help="T=WEIGHT pairs: share of prompts per temperature")
     g.add_argument("--gsm8k-train", action="store_true", help="add GSM8K train questions (most are in prompts.jsonl)")
     g.add_argument("--extra-prompts", action="append", default=[], help="more prompt JSONL files")
+    g.add_argument("--prompts", action="append", default=[],
+                   help="your own prompt JSONL (rows with `prompt`, or `turns`), instead of the shared corpus "
+                        "(repeatable); the first --eval-holdout of them (after the shuffle) are kept for eval")
+    g.add_argument("--eval-holdout", type=int, default=80,
+                   help="with --prompts: prompts held out of training, written to OUT/eval_prompts.jsonl, which "
+                        "eval then measures by default")
     g.add_argument("--sources", default=None, help="comma list: keep only these `source` labels")
     g.add_argument("--samples-per-prompt", type=int, default=1,
                    help="answers per prompt; the ones after the first use only the mix's temperatures above 0")
@@ -116,7 +123,9 @@ def _train(p: argparse.ArgumentParser) -> None:
 def _eval(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("eval")
     g.add_argument("--draft", default=None, help="draft folder to evaluate (default OUT/draft)")
-    g.add_argument("--eval-datasets", default="mt_bench,gsm8k")
+    g.add_argument("--eval-datasets", default=None,
+                   help="comma list of mt_bench, gsm8k, alpaca or JSONL files (default: OUT/eval_prompts.jsonl "
+                        "when generate held prompts out of --prompts, else mt_bench,gsm8k)")
     g.add_argument("--eval-prompts", type=int, default=80, help="first N prompts of each dataset")
     g.add_argument("--eval-max-new-tokens", type=int, default=256)
     g.add_argument("--eval-temperatures", default="0,0.7")
@@ -171,6 +180,9 @@ def resolve_device(a: argparse.Namespace) -> None:
 def check_inputs(a: argparse.Namespace) -> None:
     """Inputs named on the command line exist, and counts and layer lists are sane: before a phase runs,
     not after minutes of generation."""
+    for f in getattr(a, "prompts", None) or []:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--prompts {f}: no such file")
     if getattr(a, "samples_per_prompt", 1) < 1:
         raise ValueError(f"--samples-per-prompt must be >= 1, not {a.samples_per_prompt}")
     for opt in ("data", "skip_greedy_in"):
@@ -237,7 +249,17 @@ def phase_generate(a: argparse.Namespace, engine: Any, deadline: float | None,
     ddir = data_dir(a.data_dir)
     mix = parse_mix(a.temperature_mix)
     prompts = training_prompts(ddir, gsm8k_train=a.gsm8k_train, extra=a.extra_prompts,
-                               sources=a.sources.split(",") if a.sources else None, seed=a.seed, limit=a.max_prompts)
+                               sources=a.sources.split(",") if a.sources else None, seed=a.seed,
+                               own=a.prompts)
+    held = 0
+    if a.prompts and a.eval_holdout > 0:  # your own prompts: the first of the shuffle are eval's, never trained on
+        held = min(a.eval_holdout, len(prompts) // 2)
+        keep = Path(a.out) / EVAL_PROMPTS
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        keep.write_text("".join(json.dumps({"prompt": p.text, "source": p.source}) + "\n" for p in prompts[:held]))
+        prompts = prompts[held:]
+        log(f"generate: {held} of your prompts held out for eval in {keep}")
+    prompts = prompts[: a.max_prompts] if a.max_prompts else prompts
     t0 = time.perf_counter()
     jobs, skipped = make_jobs(prompts, lambda t: engine.encode_prompt(t, chat=True), mix, a.max_prompt_tokens, a.seed,
                               a.samples_per_prompt)
@@ -258,6 +280,9 @@ def phase_generate(a: argparse.Namespace, engine: Any, deadline: float | None,
                 "extra_prompts": [Path(x).name for x in a.extra_prompts], "sources": a.sources,
                 "max_prompts": a.max_prompts, "prompts": len(prompts), "prompts_sha": prompts_fingerprint(prompts),
                 "excluded": ["mt_bench.jsonl (all turns)", "gsm8k_test.jsonl"]}
+    if a.prompts:  # absent otherwise, so folders made before the option still resume
+        settings["own_prompts"] = [Path(x).name for x in a.prompts]
+        settings["eval_holdout"] = held
     if a.samples_per_prompt != 1:  # absent at 1, so folders made before the option still resume
         settings["samples_per_prompt"] = a.samples_per_prompt
     if a.skip_greedy_in:
@@ -492,6 +517,14 @@ def repeat_frac(seqs: Sequence[Sequence[int]], n: int = REPEAT_NGRAM) -> float:
     return hit / tot if tot else 0.0
 
 
+def eval_datasets(a: argparse.Namespace) -> str:
+    """--eval-datasets, or by default the prompts generate held out of the user's own (if it did)."""
+    if a.eval_datasets:
+        return str(a.eval_datasets)
+    held = Path(a.out) / EVAL_PROMPTS
+    return str(held) if held.is_file() else "mt_bench,gsm8k"
+
+
 def phase_eval(a: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
     from mleagle.engine.contract.config import data_dir
 
@@ -501,7 +534,7 @@ def phase_eval(a: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
         raise FileNotFoundError(f"no draft at {draft}: run `mleagle train-draft train --out {a.out}` first")
     ddir = data_dir(a.data_dir)
     temps = [float(x) for x in a.eval_temperatures.split(",") if x.strip()]
-    datasets = [x.strip() for x in a.eval_datasets.split(",") if x.strip()]
+    datasets = [x.strip() for x in eval_datasets(a).split(",") if x.strip()]
     kv = a.eval_batch * (a.max_prompt_tokens + a.eval_max_new_tokens + 32) if hasattr(a, "max_prompt_tokens") \
         else a.eval_batch * (1024 + a.eval_max_new_tokens)
     t0 = time.perf_counter()
@@ -599,8 +632,10 @@ def card(summary: dict[str, Any]) -> str:
              "+ bf16 safetensors shards); load with `--draft PATH`.", "",
              "## Data", ""]
     if g:
-        lines += [f"- prompts: `prompts.jsonl` of the shared data folder (dedupe, MT-Bench and GSM8K test turns "
-                  f"removed), {st.get('prompts')} prompts, shuffled with seed {st.get('seed')}; by source: "
+        where = (f"your own prompts ({', '.join(f'`{x}`' for x in st['own_prompts'])}; deduplicated, "
+                 f"{st.get('eval_holdout', 0)} held out for the evaluation below)" if st.get("own_prompts") else
+                 "`prompts.jsonl` of the shared data folder (dedupe, MT-Bench and GSM8K test turns removed)")
+        lines += [f"- prompts: {where}, {st.get('prompts')} prompts, shuffled with seed {st.get('seed')}; by source: "
                   f"{t.get('by_source')}",
                   f"- responses: generated by mleagle's engine ({g.get('device')}, {st.get('dtype')}, batch "
                   f"{g.get('batch')}), temperature mix {st.get('temperature_mix')}, max {st.get('max_new_tokens')} "

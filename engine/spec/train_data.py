@@ -79,12 +79,19 @@ def eval_texts(ddir: Path) -> set[str]:
 
 
 def training_prompts(ddir: Path, *, gsm8k_train: bool = False, extra: Sequence[str | Path] = (),
-                     sources: Sequence[str] | None = None, seed: int = 0, limit: int | None = None) -> list[Prompt]:
-    """The prompt list, deduplicated (first occurrence), evaluation turns removed, shuffled by `seed`."""
-    f = ddir / "prompts.jsonl"
-    if not f.is_file():
-        raise FileNotFoundError(f"training prompts not found: {f} (set --data-dir or $MLEAGLE_DATA_DIR)")
-    rows = read_prompt_file(f)
+                     sources: Sequence[str] | None = None, seed: int = 0, limit: int | None = None,
+                     own: Sequence[str | Path] = ()) -> list[Prompt]:
+    """The prompt list, deduplicated (first occurrence), evaluation turns removed, shuffled by `seed`:
+    the shared corpus (`prompts.jsonl` of `ddir`), or a user's own prompt files instead (`own`; the
+    shared evaluation sets are still removed where `ddir` holds them)."""
+    if own:
+        rows = [r for f in own for r in read_prompt_file(Path(f))]
+    else:
+        f = ddir / "prompts.jsonl"
+        if not f.is_file():
+            raise FileNotFoundError(f"training prompts not found: {f} (set --data-dir or $MLEAGLE_DATA_DIR, "
+                                    "or bring your own with --prompts FILE)")
+        rows = read_prompt_file(f)
     if gsm8k_train:
         rows += read_prompt_file(ddir / "gsm8k_train.jsonl", "gsm8k_train")
     for x in extra:

@@ -592,3 +592,70 @@ def test_repeat_frac_counts_tokens_that_copy_an_earlier_ngram() -> None:
     loop = [1, 2, 3, 4, 5] * 8  # period 5: from the 10th token on every 5-gram was seen 5 tokens earlier
     assert repeat_frac([loop], n=4) == (40 - 9) / (40 - 4)
     assert repeat_frac([[1, 2]], n=4) == 0.0
+
+
+def test_train_draft_for_your_own_hf_model_and_prompts(tmp_path: Path) -> None:
+    """The own-model path on the CPU: an HF-style Qwen2 checkpoint directory (config.json, safetensors,
+    tokenizer) and a prompt file of your own, through `train-draft all`: your prompts (and nothing of
+    the shared corpus) are trained on, the first ones of the shuffle are held out and evaluated, and
+    the exported draft has its card and serves the model."""
+    from safetensors.torch import save_file
+
+    from mleagle import cli
+    from mleagle.engine.contract.config import load_config
+    from mleagle.engine.contract.sampling_params import SamplingParams
+    from mleagle.engine.contract.tokenizer import Tokenizer
+    from mleagle.engine.core.engine import Engine
+
+    model = tmp_path / "my-qwen"
+    model.mkdir()
+    v, h, inter, kv, heads = 49152, 32, 64, 1, 2
+    d = h // heads
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": v, "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "max_position_embeddings": 1024, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "hidden_act": "silu", "use_sliding_window": False, "eos_token_id": 2}))
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    p = "model.layers.0."
+    weights = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": torch.ones(h),
+               p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+               p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.q_proj.bias": w(h),
+               p + "self_attn.k_proj.weight": w(kv * d, h), p + "self_attn.k_proj.bias": w(kv * d),
+               p + "self_attn.v_proj.weight": w(kv * d, h), p + "self_attn.v_proj.bias": w(kv * d),
+               p + "self_attn.o_proj.weight": w(h, h), p + "mlp.gate_proj.weight": w(inter, h),
+               p + "mlp.up_proj.weight": w(inter, h), p + "mlp.down_proj.weight": w(h, inter)}
+    save_file(weights, str(model / "model.safetensors"))
+    Tokenizer.from_source(load_config("smollm2-135m").model).save(model)  # tokenizer.json + its chat template
+    mine = tmp_path / "my_prompts.jsonl"
+    mine.write_text("".join(json.dumps({"prompt": f"Tell me about item number {i} of my catalogue."}) + "\n"
+                            for i in range(30)))
+    out, exp = tmp_path / "run", tmp_path / "export"
+    args = ["train-draft", "all", "--model", str(model), "--prompts", str(mine), "--eval-holdout", "4",
+            "--out", str(out), "--export", str(exp), "--device", "cpu", "--time-budget-s", "600",
+            "--max-new-tokens", "10", "--gen-batch", "13", "--shard-seqs", "8", "--layers", "2", "--batch-tokens", "512",
+            "--draft-vocab", "1024", "--chunk-rows", "512", "--holdout-seqs", "4", "--log-every-s", "100",
+            "--epochs", "1", "--eval-max-new-tokens", "6", "--eval-batch", "4", "--eval-temperatures", "0",
+            "--eval-budget-s", "60"]
+    assert cli.main([*args[:5], str(tmp_path / "none.jsonl"), *args[6:]]) == 2 and not out.exists()
+    assert cli.main(args) == 0
+    s = json.loads((exp / "summary.json").read_text())
+    gen = s["generate"]["settings"]
+    assert gen["own_prompts"] == ["my_prompts.jsonl"] and gen["eval_holdout"] == 4 and gen["prompts"] == 26
+    held = [json.loads(x)["prompt"] for x in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    assert len(held) == 4 and all("my catalogue" in t for t in held)
+    tok = Tokenizer.from_hf_dir(model)
+    trained = [tok.decode(x.ids[: x.n_prompt].tolist()) for x in D.load_seqs(exp / "data.npz")]
+    assert len(trained) == 26 and all("my catalogue" in t for t in trained)  # your prompts only
+    assert not any(h in t for h in held for t in trained)  # the held-out ones never trained on
+    (run_,) = s["eval"]["runs"]
+    assert run_["dataset"].endswith("eval_prompts.jsonl") and run_["prompts"] == 4 and run_["accept_len"] >= 1.0
+    card = (exp / "draft" / "README.md").read_text()
+    assert "your own prompts (`my_prompts.jsonl`" in card and "4 held out" in card
+    e = Engine(load_config(str(model)), draft=str(exp / "draft"), device="cpu", spec_policy="always")
+    c = e.generate(["Hello"], SamplingParams(temperature=0, max_new_tokens=5), chat=True)[0]
+    assert len(c.token_ids) >= 1 and e.worker.steps == 2
