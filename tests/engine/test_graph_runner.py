@@ -284,3 +284,26 @@ def test_prefill_graph_refuses_a_foreign_binding_and_counts_what_it_cannot_hold(
     while e.has_work():
         e.step()
     assert all_free(e)
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_chunked_prefill_on_prefill_graphs_fills_the_draft_pools_as_eager(policy: str) -> None:
+    """A long prompt prefilled in chunks on (emulated) prefill graphs, whose outputs are rewritten by the
+    next replay as a real graph's are: the draft layers' KV and the first drafts equal an eager
+    engine's, so nothing kept a graph's output past the step (the target's hidden states of each chunk,
+    stashed for the draft prefill)."""
+    prompt = [(13 * i + 5) % 250 + 1 for i in range(70)]
+    es = [tiny_engine("random:3", cfg=tiny_cfg(), chunked_prefill_size=24, spec_policy=policy, **over)
+          for over in ({}, {"graph_emulate": True, "prefill_graph_max_tokens": 32})]
+    for e in es:
+        e.add_request("a", prompt, greedy(8))
+        while not e.scheduler.reqs["a"].output_ids:
+            e.step()
+    (ra,), (rb,) = es[0].scheduler.running, es[1].scheduler.running
+    assert sum(es[1].runners[0].extend_graphs.stats.replays.values()) >= 3  # every chunk on a graph
+    assert torch.equal(es[0].worker.state.drafts[ra.req_pool_idx], es[1].worker.state.drafts[rb.req_pool_idx])
+    slots = es[0].worker.r2t[ra.req_pool_idx, : len(prompt)]
+    assert torch.equal(slots, es[1].worker.r2t[rb.req_pool_idx, : len(prompt)])
+    for da, db in zip(es[0].runners[1:], es[1].runners[1:]):
+        for ka, kb in zip(da.binding.kv_pool.k, db.binding.kv_pool.k):
+            assert torch.allclose(ka[slots], kb[slots], atol=1e-5)
