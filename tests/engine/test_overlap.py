@@ -36,8 +36,16 @@ def test_overlap_outputs_equal_synchronous(draft: str) -> None:
     assert ov.scheduler.inflight is None and all_free(ov)
 
 
-def test_overlap_aborts_and_arrivals_leave_nothing_behind() -> None:
-    _, ov = _pair("random:2", max_total_tokens=600)
+@pytest.mark.parametrize("over", [{"max_total_tokens": 600},
+                                  {"max_total_tokens": 240, "spec_policy": "auto", "graph_emulate": True,
+                                   "prefill_graph_max_tokens": 32, "chunked_prefill_size": 16}])
+def test_overlap_aborts_and_arrivals_leave_nothing_behind(over: dict) -> None:
+    """Random arrivals, aborts and a pool too small for everyone (preemption) under overlap: mixed
+    steps, prefill graphs and the policy's depth switches included, every request ends and nothing is
+    held afterwards."""
+    _, ov = _pair("random:2", **over)
+    modes: list[str] = []
+    ov.observers.append(lambda outs, rep: modes.append(rep.mode))
     rng = random.Random(0)
     live: set[str] = set()
     n = 0
@@ -58,6 +66,7 @@ def test_overlap_aborts_and_arrivals_leave_nothing_behind() -> None:
             if o.finished:
                 live.discard(o.rid)
     assert not live and all_free(ov) and ov.scheduler.inflight is None
+    assert "MIXED" in modes and (over["max_total_tokens"] > 300 or ov.scheduler.num_preemptions > 0)
 
 
 def test_overlap_with_graph_emulation_equals_eager() -> None:
