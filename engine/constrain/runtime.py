@@ -10,7 +10,9 @@ speculation `draft_logits` / `draft_accept` around every draft step. A plain gre
 constraints are grammars only replays a masked whole-iteration graph instead: `fill_static` writes
 every row's mask into one static device buffer before the replay, `mask` inside the graph reads it
 (`static`), and the worker commits the tokens to the matchers from the step's results on the host
-(`commit_rows`), so the step costs one replay plus the host's mask fills.
+(`commit_rows`), so the step costs one replay plus the host's mask fills; under overlap scheduling the
+worker splits that step in two graphs (`TargetWorker.launch_split` / `complete`), so the fills run
+while the step's forward does.
 
 Masks: a decode or first-token row gets the mask of the matcher as it is. Draft step k (proposing
 d_{k+1}) gets the mask after the committed tokens and d_1..d_k, which the matcher accepted
@@ -212,10 +214,11 @@ class ConstrainRuntime:
         em, ne = emitted.tolist(), n_emit.view(-1).tolist()
         self.commit_rows([row[: int(n)] for row, n in zip(em, ne)])
 
-    def commit_rows(self, rows: Sequence[Sequence[int]]) -> None:
-        """`commit` from host lists: each batch row's new tokens."""
+    def commit_rows(self, rows: Sequence[Sequence[int]], batch: Sequence[RequestConstraint | None] | None = None) -> None:
+        """`commit` from host lists: each batch row's new tokens (`batch`: the constraint states of an
+        earlier launch; default the current batch's)."""
         t0 = time.perf_counter()
-        for i, c in enumerate(self.batch):
+        for i, c in enumerate(self.batch if batch is None else batch):
             if c is None or c.matcher is None:
                 continue
             m = c.matcher

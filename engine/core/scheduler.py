@@ -23,8 +23,10 @@ finds prefill work while N is in flight is a **mixed step**: the prefill (arriva
 a long prompt, on its prefill graph where it fits) runs behind N on the stream, then N+1 launches over
 every decoding request, the ones whose prefill just completed included, and N is finished; an arrival
 thus costs the decoding requests the prefill's own time, and the whole-iteration graph keeps running.
-Anything else — preemption, an abort, an iteration whose draft layers must first catch up (its host
-description needs the lengths step N sets) — first drains the step in flight.
+With a constrained request running, a grammar-masked step N+1 launches its forward half before N is
+finished and its masked half after (its masks need N's tokens in the matchers); other constrained
+batches do not overlap. Anything else — preemption, an abort, an iteration whose draft layers must
+first catch up (its host description needs the lengths step N sets) — first drains the step in flight.
 """
 
 from __future__ import annotations
@@ -117,8 +119,17 @@ class Scheduler:
         if self.inflight is not None:
             # Steady decoding: launch the next step first, then finish the one in flight.
             nxt = None
-            # A constrained request's next mask needs this step's tokens: no overlap while one runs.
-            if self.overlap and not aborts and not self._constrained():
+            split = None
+            if self.overlap and not aborts and self._constrained():
+                # A constrained request's next mask needs this step's tokens: a grammar-masked step
+                # launches its forward half now and its masked half after the finish below.
+                ready = self._decode_ready(self.worker.lookahead * 2) if not self._want_prefill() else None
+                if ready:
+                    plan = self.worker.plan(ready)
+                    split = self.worker.launch_split(ready, plan)
+                    if split is None:
+                        self.worker.hold(plan)
+            elif self.overlap and not aborts:
                 # A mixed step: arrivals (or the next chunk of a long prompt) prefill first, behind the
                 # iteration in flight, and the next iteration launches over every decoding request (the
                 # new ones too), so an arrival costs the running requests its prefill, not a drain.
@@ -137,6 +148,8 @@ class Scheduler:
                         nxt = self.worker.launch(ready, plan)
             done, self.inflight = self.inflight, nxt
             results += list(zip(done.reqs, self.worker.finish(done)))
+            if split is not None:  # the matchers have this step's tokens: the masks, then the rest
+                self.inflight = self.worker.complete(split)
             rep.finished = done
             if rep.mode == "MIXED":  # the iteration's forwards first: its target forward is the step's main one
                 rep.forwards = done.forwards + rep.forwards
@@ -155,7 +168,8 @@ class Scheduler:
                 if reqs:
                     p = self.worker.launch(reqs)
                     rep.mode = "DECODE"
-                    if self.overlap and not self._constrained():
+                    # A masked step's matchers take its tokens at its finish: it may stay in flight too.
+                    if self.overlap and (not self._constrained() or p.masked):
                         self.inflight = p  # finished by the next step, after it launches its successor
                     else:
                         results = list(zip(p.reqs, self.worker.finish(p)))

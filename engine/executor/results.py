@@ -112,8 +112,23 @@ class Pending:
     forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
     iteration_miss: str | None = None  # why the whole-iteration graph did not run it (None: it did)
     plan: StepPlan = field(default_factory=StepPlan)  # its depth and why
-    # Replayed the masked (grammar) graph: the matchers take its tokens at `finish`, on the host.
+    # Replayed the masked (grammar) graph: the matchers (`cons`, the batch's constraint states) take its
+    # tokens at `finish`, on the host.
     masked: bool = False
+    cons: list[Any] | None = None
+
+
+@dataclass
+class SplitLaunch:
+    """The forward half of a grammar-masked decode step, launched; `TargetWorker.complete` runs the rest."""
+
+    reqs: list[Req]
+    rpi: torch.Tensor
+    flags: RowFlags
+    timer: Timer
+    plan: StepPlan
+    cons: list[Any]
+    pbs: int
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from mleagle.engine.executor.results import (
     FwdInfo,
     HostView,
     Pending,
+    SplitLaunch,
     StepPlan,
     StepResult,
     Timer,
@@ -101,8 +102,10 @@ class TargetWorker:
         # Whole-iteration graphs (plain greedy batches), one set per iteration depth (a speculative
         # worker's policy may run 0..S draft steps); `depth` is the depth of the iteration being built.
         self.iter_graphs: dict[int, IterationGraph] = {}
-        # The same for greedy decode steps (depth 0) with grammars: the masks come from a static buffer.
+        # The same for greedy decode steps (depth 0) with grammars: the masks come from a static buffer;
+        # and that step in two halves (forward; mask + sample), for overlap (`launch_split`).
         self.masked_graphs: dict[int, IterationGraph] = {}
+        self.masked_split: tuple[IterationGraph, IterationGraph] | None = None
         self.depth = 0
         self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
@@ -298,9 +301,73 @@ class TargetWorker:
             if why is None:
                 self.masked_graphs[0] = m
                 line += f"; with grammar masks {m.stats.capture_mb:.0f} MiB, {m.stats.capture_s:.2f} s"
+                line += self._capture_split(buckets, pool, cuda, s, meta)
             else:
                 line += f"; grammar-masked steps eager ({why})"
         return line
+
+    def _capture_split(self, buckets: list[int], pool: object | None, cuda: bool, s: GraphSettings,
+                       meta: Callable[[int], list[RowMeta]]) -> str:
+        """The masked step in two graphs, so its masks can be filled while its forward runs: the forward
+        (logits into a static buffer) and the rest (mask, argmax, commit, pack; no forward)."""
+        self._mlogits = torch.zeros(buckets[-1], self.vocab, dtype=torch.float32, device=self.device)
+
+        def fwd(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+            self.depth = 0
+            pbs = int(rpi.shape[0])
+            batch, out = self._decode_forward(rpi, self.capture_view(pbs), True)
+            self._mlogits[:pbs].copy_(out.logits)
+            return self._mlogits[:pbs], [self.target.row_meta(batch)]
+
+        def rest(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+            self.constrain.static = True
+            try:
+                return self._decode_sample(self._mlogits[: int(rpi.shape[0])], rpi, live, MASKED, None), []
+            finally:
+                self.constrain.static = False
+
+        pad = self.target.binding.req_to_token.pad_row
+        f = IterationGraph("decode forward (grammar masks later)", fwd, meta, buckets, pad, self.device,
+                           emulate=not cuda, pool=pool)
+        r = IterationGraph("grammar mask + sample", rest, lambda pbs: [], buckets, pad, self.device,
+                           emulate=not cuda, pool=pool)
+        for g in (f, r):
+            why = self._try_capture(g.name, g.capture, s)
+            if why is not None:
+                return f"; split masked steps off ({why})"
+        self.masked_split = (f, r)
+        return f"; split in two for overlap {f.stats.capture_mb + r.stats.capture_mb:.0f} MiB"
+
+    # --- a grammar-masked step in two halves (overlap scheduling with constrained requests) ---------------
+    def launch_split(self, reqs: list[Req], plan: StepPlan | None = None) -> SplitLaunch | None:
+        """The forward half of a masked decode step over `reqs`, replayed now while the step in flight
+        finishes; `complete` fills the masks (once the matchers have that step's tokens) and replays the
+        rest. None when the batch cannot take this path (then nothing was launched)."""
+        plan = plan if plan is not None else self.plan(reqs)
+        if self.masked_split is None or plan.depth != 0 or plan.catch_up:
+            return None
+        flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
+        flags = self.constrain.begin(reqs, flags)
+        self.depth = 0
+        if not flags.constrained or self.iteration_miss(flags, len(reqs)) is not None:
+            return None
+        timer = Timer(self.device)
+        timer.mark()
+        rpi = self.rpi_of(reqs)
+        _, pbs = self.masked_split[0].run(rpi, len(reqs))
+        return SplitLaunch(list(reqs), rpi, flags, timer, plan, list(self.constrain.batch), pbs)
+
+    def complete(self, s: SplitLaunch) -> Pending:
+        """The second half of a split step: masks into the static buffer, then mask, sample and commit."""
+        self.constrain.batch = s.cons
+        self.constrain.fill_static(len(s.reqs))
+        packed, _ = self.masked_split[1].run(s.rpi, len(s.reqs)) if self.masked_split else (None, 0)
+        assert packed is not None
+        self.forwards = self.replay_forwards(s.reqs, s.pbs)
+        s.timer.mark()
+        p = self._send(s.reqs, 1, s.flags, packed, s.timer)
+        p.plan, p.masked, p.cons = s.plan, True, s.cons
+        return p
 
     @property
     def iteration_name(self) -> str:
@@ -481,6 +548,8 @@ class TargetWorker:
             packed, _ = self._body(rpi, None, flags, self.host_view(reqs), False, timer)
         p = self._send(reqs, self.width, flags, packed, timer)
         p.iteration_miss, p.plan, p.masked = why, plan, masked
+        if masked:
+            p.cons = list(self.constrain.batch)
         return p
 
     def _forward(self, r: ModelRunner, batch: ForwardBatch, eager: bool) -> ForwardOutput:
@@ -494,6 +563,12 @@ class TargetWorker:
               timer: Timer | None) -> tuple[torch.Tensor, list[RowMeta]]:
         """One decode step on the device: view from the slot state, forward, sample, commit, pack. `eager`
         runs the forward eagerly (inside a whole-iteration capture); `live` masks padded rows' writes."""
+        batch, out = self._decode_forward(rpi, host, eager)
+        packed = self._decode_sample(out.logits, rpi, live, flags, timer)
+        return packed, [self.target.row_meta(batch)]
+
+    def _decode_forward(self, rpi: torch.Tensor, host: HostView, eager: bool) -> tuple[ForwardBatch, ForwardOutput]:
+        """A decode step's forward over the rows `rpi`, from the slot state."""
         st = self.state
         bs = int(rpi.shape[0])
         batch = self.target.bind(uniform_batch(
@@ -504,15 +579,20 @@ class TargetWorker:
         out = self._forward(self.target, batch, eager)
         self.last_batch = batch
         self._keep_hidden(batch, out)
-        tok = self._sample(out.logits, rpi, flags)
-        lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+        return batch, out
+
+    def _decode_sample(self, logits: torch.Tensor, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags,
+                       timer: Timer | None) -> torch.Tensor:
+        """A decode step's sample, state commit and packed result, from its logits."""
+        tok = self._sample(logits, rpi, flags)
+        lp = logprobs(logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
         one = torch.ones_like(tok)
         if flags.constrained:  # constrain: the matchers take the step's tokens (reads them to the host)
             self.constrain.commit(tok.view(-1, 1), one)
-        st.commit(rpi, tok.view(-1, 1), one, flags, live=live)
+        self.state.commit(rpi, tok.view(-1, 1), one, flags, live=live)
         if timer is not None:
             timer.mark()
-        return pack(tok.view(-1, 1), one, lp, 1), [self.target.row_meta(batch)]
+        return pack(tok.view(-1, 1), one, lp, 1)
 
     def _keep_hidden(self, batch: ForwardBatch, out: ForwardOutput) -> None:
         """A decode step's target hidden states, for a speculative worker whose draft layers will catch
@@ -549,8 +629,8 @@ class TargetWorker:
                 continue
             r.kv_len += len(toks)
             res.append(StepResult(toks, lps))
-        if p.masked:  # the matchers take the masked graph's tokens (the runtime's batch is still p's)
-            self.constrain.commit_rows([x.tokens for x in res])
+        if p.masked:  # the matchers take the masked graph's tokens
+            self.constrain.commit_rows([x.tokens for x in res], p.cons)
         self.on_finish(p, res)
         return res
 
@@ -564,7 +644,7 @@ class TargetWorker:
             r.num_forwards = 0
             if r.graphs is not None:
                 r.graphs.stats.replays.clear()
-        for g in [*self.iter_graphs.values(), *self.masked_graphs.values()]:
+        for g in [*self.iter_graphs.values(), *self.masked_graphs.values(), *(self.masked_split or ())]:
             g.stats.replays.clear()
         for r in self.runners:
             for m in [*r.more_graphs, *([r.extend_graphs] if r.extend_graphs is not None else [])]:

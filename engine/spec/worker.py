@@ -68,7 +68,16 @@ from mleagle.engine.executor.forward_batch import (
     RowMeta,
     build_batch,
 )
-from mleagle.engine.executor.results import FwdInfo, HostView, Pending, StepPlan, StepResult, Timer, pack
+from mleagle.engine.executor.results import (
+    FwdInfo,
+    HostView,
+    Pending,
+    SplitLaunch,
+    StepPlan,
+    StepResult,
+    Timer,
+    pack,
+)
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import accepted, rotate
 from mleagle.engine.executor.worker import TargetWorker
@@ -355,6 +364,17 @@ class SpecWorker(TargetWorker):
         p = super().launch(reqs, plan)
         p.plan = dataclasses.replace(plan, catch_up=catch)
         return p
+
+    def launch_split(self, reqs: list[Req], plan: StepPlan | None = None) -> SplitLaunch | None:
+        """A grammar-masked plain decode step (depth 0) in two halves, as the target-only worker's."""
+        plan = plan if plan is not None else self.plan(reqs)
+        s = super().launch_split(reqs, plan)
+        if s is not None:
+            self._held = None
+            for r in reqs:
+                if r.draft_state is not None:
+                    r.draft_state.depth = 0
+        return s
 
     def catch_up(self, reqs: list[Req], bonus: list[int] | None = None, measure: bool = True,
                  fresh: bool = False) -> None:
