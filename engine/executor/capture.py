@@ -23,6 +23,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from mleagle.engine.executor.forward_batch import ForwardOutput
+
 M = TypeVar("M")
 Out = TypeVar("Out")
 
@@ -89,3 +91,15 @@ def capture_buckets(buckets: list[int], prepare: Callable[[int], M], body: Calla
         stats.capture_mb = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
     stats.capture_s = time.perf_counter() - t0
     return caps
+
+
+def held_output(store: dict[int, ForwardOutput], key: int, out: ForwardOutput) -> ForwardOutput:
+    """An emulated replay's output copied into bucket `key`'s own tensors, which its next replay
+    rewrites as a graph's are: a caller that keeps a view past that fails on the CPU too."""
+    held = store.get(key)
+    if held is None or held.logits.shape != out.logits.shape or held.hidden.shape != out.hidden.shape:
+        held = store[key] = ForwardOutput(out.logits.clone(), out.hidden.clone())
+    else:
+        held.logits.copy_(out.logits)
+        held.hidden.copy_(out.hidden)
+    return held

@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets
+from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets, held_output
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -88,7 +88,7 @@ class ExtendGraphRunner:
         self._views: dict[int, ForwardBatch] = {}
         self.caps: dict[int, Capture[RowMeta, ForwardOutput]] = {}
         self.stats = GraphStats()
-        self._emu: dict[int, ForwardOutput] = {}  # emulated replays' outputs, per bucket (see `_emulated_out`)
+        self._emu: dict[int, ForwardOutput] = {}  # emulated replays' outputs, per bucket (see `held_output`)
 
     # --- shapes -------------------------------------------------------------------------------
     def slots(self, tokens: int) -> int:
@@ -196,17 +196,6 @@ class ExtendGraphRunner:
             return "not captured"
         return None
 
-    def _emulated_out(self, key: int, out: ForwardOutput) -> ForwardOutput:
-        """An emulated replay's output in the bucket's own tensors, rewritten by its next replay as a
-        graph's are: a caller that keeps a view past that fails on the CPU too."""
-        held = self._emu.get(key)
-        if held is None or held.logits.shape != out.logits.shape or held.hidden.shape != out.hidden.shape:
-            held = self._emu[key] = ForwardOutput(out.logits.clone(), out.hidden.clone())
-        else:
-            held.logits.copy_(out.logits)
-            held.hidden.copy_(out.hidden)
-        return held
-
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         """Replay (or, emulated, run eagerly on the buffers) a batch that `fits`."""
         check_binding(batch, self.runner.binding, f"prefill graph runner of {self.runner.name}")
@@ -215,7 +204,7 @@ class ExtendGraphRunner:
         cap = self.caps[t]
         sb = self.static_batch(batch, t)
         if cap.graph is None:  # emulated: the same buffers and padding, an eager forward
-            out = self._emulated_out(t, self.runner.forward_eager(sb, observe=False))
+            out = held_output(self._emu, t, self.runner.forward_eager(sb, observe=False))
         else:
             self.runner.binding.backend.plan(sb)
             cap.graph.replay()
