@@ -14,7 +14,8 @@ TP=1 target-only output, eagerly and through emulated graphs (whole-iteration an
 overlap scheduling forced on too, and with the speculation policy switching depth every iteration
 (`cycle`) or choosing it (`auto`, overlap on: rank 0's timings published to every rank), every rank
 running the same depths and catch-ups, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
-regression: an un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
+regression; grammar-constrained output (the masked graph and its split halves) equals TP=1's: an
+un-pruned draft-extend graph in the token-scattered layout records bs·W logprob rows
 (padded, split over the ranks) and its gathered logits equal eager; with `[bs]` injected into a
 graph's counts after its capture (what the capture check exists to stop) the gathered logits at the
 selected rows come out wrong; injected before, the capture check refuses the graph.
@@ -228,6 +229,33 @@ def check_prefix(rank: int, res: dict[str, Any]) -> None:
     res["prefix"] = out
 
 
+def check_constrained(rank: int, res: dict[str, Any]) -> None:
+    """Structured output under TP: grammar-constrained greedy requests, target-only and with a draft
+    (`auto`), through emulated graphs with overlap forced on (the grammar-masked graph and its split
+    halves), equal TP=1 constrained target-only output; every rank builds the same matchers from the
+    same requests, so every rank replays the same graphs."""
+    from mleagle.engine.contract.sampling_params import StructuredOutputs
+    from tests.engine.test_constrain_engine import CASES, constrained
+
+    gram = [(p, so) for p, so in CASES if so]
+    prompts = [p for p, _ in gram]
+    sps = [SamplingParams(temperature=0, max_new_tokens=16, structured_outputs=StructuredOutputs(**so)) for _, so in gram]
+    want = [c.token_ids for c in constrained(engine("none")).generate(prompts, sps)] if rank == 0 else None
+    out: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        for draft, policy in (("none", "always"), ("random:2", "auto")):
+            e = constrained(engine(draft, tp_size=2, tp_layout=layout, graph_emulate=True, spec_policy=policy))
+            e.scheduler.overlap = True
+            toks = drive(e, rank, prompts, sps)
+            m = e.worker.masked_graphs.get(0)
+            split = e.worker.masked_split
+            out[f"{layout}/{draft}"] = {
+                "equal": toks == want if rank == 0 else None, "free": all_free(e),
+                "masked": sum(m.stats.replays.values()) if m is not None else 0,
+                "split": sum(split[1].stats.replays.values()) if split is not None else 0}
+    res["constrained"] = out
+
+
 def live_draft_batch(e: Engine, bs: int, width: int) -> Any:
     """A real un-pruned DRAFT_EXTEND view of `bs` running requests (as the worker builds its verify view)."""
     w = e.worker
@@ -322,6 +350,7 @@ def main() -> int:
         check_logits(rank, res, fused)
         check_exact(rank, res, outdir, fused)
         check_prefix(rank, res)
+        check_constrained(rank, res)
         check_seed_regression(rank, res)
     except Exception:
         res["error"] = traceback.format_exc()
