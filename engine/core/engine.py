@@ -368,7 +368,7 @@ class Engine:
             self._warming(False)
         self.reset_prefix_cache()
         s, w = self.scheduler, self.worker
-        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = 0
+        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = s.num_mixed = 0
         w.reset_counters()
         if self.control is not None:  # the speculation policy forgets too, on every rank alike
             self.control.submit(("reset_counters",))
@@ -408,7 +408,23 @@ class Engine:
                 "boundary_kv_stale_positions": getattr(self.worker, "boundary_kv_stale_positions", None),
                 "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None,
                 "prefix_cache": self.prefix_cache_stats(),
-                "spec_policy": policy.snapshot() if policy is not None else None}
+                "spec_policy": policy.snapshot() if policy is not None else None,
+                "mixed_steps": sch.num_mixed, "graphs": self.graph_counts()}
+
+    def graph_counts(self) -> dict[str, Any]:
+        """Per runner: graph replays (decode/verify/draft-extend shapes, and prefill by token bucket) and
+        eager forwards by reason, since start (or the warm-up's reset)."""
+        out: dict[str, Any] = {}
+        for r in self.runners:
+            shapes = [g for g in [r.graphs, *r.more_graphs] if g is not None]
+            x = r.extend_graphs
+            out[r.name] = {"replays": sum(sum(g.stats.replays.values()) for g in shapes),
+                           "prefill_replays": dict(sorted(x.stats.replays.items())) if x is not None else {},
+                           "eager": dict(r.eager)}
+        for name, gs in (("iteration", self.worker.iter_graphs), ("masked", self.worker.masked_graphs)):
+            if gs:
+                out[name] = {"replays": sum(sum(g.stats.replays.values()) for g in gs.values())}
+        return out
 
     def prefix_cache_stats(self) -> dict[str, Any] | None:
         """Prompt tokens looked up in and found in the prefix cache at admission (vLLM's queries and

@@ -81,6 +81,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_mixed = 0  # steps that prefilled beside an iteration in flight
         self.report = StepReport()  # the last step's
         self.pending: list[RequestOutput] = []  # deltas produced outside the step's forward (errors)
         self.overlap = overlap
@@ -138,6 +139,7 @@ class Scheduler:
                     reqs, chunks = batch
                     results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
                     rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
+                    self.num_mixed += 1
                     rep.forwards = list(self.worker.forwards)
                 ready = self._decode_ready(self.worker.lookahead * 2)
                 if ready:

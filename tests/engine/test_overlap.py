@@ -120,6 +120,8 @@ def test_mixed_steps_prefill_arrivals_behind_the_iteration_in_flight(draft: str,
     # prefill's EXTEND on its prefill graph.
     assert any(f[0].graph_bs and f[-1].mode == "EXTEND" and f[-1].graph_bs for f in mixed)
     assert all(f[0].mode != "EXTEND" for f in mixed)
+    st = ov.stats()  # what the daemon's /debug/engine and the serve benchmark's records carry
+    assert st["mixed_steps"] == len(mixed) and sum(st["graphs"]["target"]["prefill_replays"].values()) > 0
     assert ov.scheduler.inflight is None and all_free(ov)
 
 
