@@ -74,6 +74,8 @@ class ConstrainRuntime:
         # The masked whole-iteration graph's static mask buffer [rows, words] (`init_graph`), and whether
         # the step being built (or captured) reads its masks from there instead of filling them per call.
         self.gmask: torch.Tensor | None = None
+        self._static_host = torch.empty(0, self.words, dtype=torch.int32)
+        self._static_copied: torch.cuda.Event | None = None
         self.static = False
 
     # --- set-up ------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class ConstrainRuntime:
     def init_graph(self, max_bs: int) -> None:
         """The static mask buffer a masked decode graph reads (allocated once, before its capture)."""
         self.gmask = torch.full((max_bs, self.words), FULL, dtype=torch.int32, device=self.device)
+        self._static_host = torch.full((max_bs, self.words), FULL, dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")
 
     def graphable(self) -> bool:
         """Can this batch's decode step replay the masked graph: grammars only (a logit bias is a
@@ -165,11 +169,20 @@ class ConstrainRuntime:
         everything; their tokens are never committed)."""
         assert self.gmask is not None
         t0 = time.perf_counter()
-        h = self._buf(self.gmask.shape[0])
+        if self._static_copied is not None:  # the last fill's copy has read its host buffer
+            self._static_copied.synchronize()
+        h = self._static_host
+        h.fill_(FULL)
         for i, c in enumerate(self.batch[:bs]):
             if c is not None:
                 self._fill(c, h, i)
-        self.gmask.copy_(h)  # blocking: the host buffer is refilled by the next call
+        # Non-blocking on CUDA: the host need not wait for the forward ahead of it on the stream (a split
+        # step's first half) before it launches the rest; the event says when `h` may be refilled.
+        cuda = self.device.type == "cuda"
+        self.gmask.copy_(h, non_blocking=cuda)
+        if cuda:
+            self._static_copied = torch.cuda.Event()
+            self._static_copied.record()
         self._tick(t0)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
