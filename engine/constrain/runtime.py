@@ -30,9 +30,10 @@ with "stop" or "constraint_unsatisfiable". `logit_bias` rides the same path as a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,16 @@ class ConstrainRuntime:
         """Can this batch's decode step replay the masked graph: grammars only (a logit bias is a
         per-request tensor the graph does not hold)?"""
         return self.gmask is not None and not any(c is not None and c.bias is not None for c in self.batch)
+
+    @contextlib.contextmanager
+    def static_masks(self) -> Iterator[None]:
+        """Within it, `mask` reads the static buffer and `commit` is left to the worker: a masked graph's
+        capture, and its replay (which, emulated, runs the body)."""
+        self.static = True
+        try:
+            yield
+        finally:
+            self.static = False
 
     def fill_static(self, bs: int) -> None:
         """Each row's next-token mask into the static buffer before a masked replay (pad rows allow

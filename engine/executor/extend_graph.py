@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets, held_output
+from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -37,6 +37,7 @@ from mleagle.engine.executor.forward_batch import (
     check_binding,
     row_meta,
 )
+from mleagle.engine.executor.graph_runner import replay
 from mleagle.engine.executor.runner import ModelRunner
 
 
@@ -202,13 +203,6 @@ class ExtendGraphRunner:
         t = self.bucket(batch.num_tokens, batch.bs)
         assert t is not None
         cap = self.caps[t]
-        sb = self.static_batch(batch, t)
-        if cap.graph is None:  # emulated: the same buffers and padding, an eager forward
-            out = held_output(self._emu, t, self.runner.forward_eager(sb, observe=False))
-        else:
-            self.runner.binding.backend.plan(sb)
-            cap.graph.replay()
-            assert cap.out is not None
-            out = cap.out
+        out = replay(self.runner, cap, self.static_batch(batch, t), self._emu, t)
         self.stats.replays[t] += 1
         return ForwardOutput(out.logits[: batch.bs], out.hidden[: batch.num_tokens], graph_bs=t)

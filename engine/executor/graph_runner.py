@@ -204,14 +204,20 @@ class GraphRunner:
         pbs = self.bucket(batch.bs)
         assert pbs is not None
         cap = self.caps[pbs]
-        sb = self.static_batch(batch, pbs)
-        if cap.graph is None:  # emulated: the same buffers and padding, an eager forward
-            out = held_output(self._emu, pbs, self.runner.forward_eager(sb, observe=False))
-        else:
-            self.runner.binding.backend.plan(sb)
-            cap.graph.replay()
-            assert cap.out is not None
-            out = cap.out
+        out = replay(self.runner, cap, self.static_batch(batch, pbs), self._emu, pbs)
         self.stats.replays[pbs] += 1
         live = row_meta(self.mode, batch.bs, self.width, pruned=self.pruned)
         return ForwardOutput(out.logits[: live.logit_rows], out.hidden[: live.num_tokens], graph_bs=pbs)
+
+
+def replay(runner: ModelRunner, cap: Capture[RowMeta, ForwardOutput], sb: ForwardBatch,
+           emu: dict[int, ForwardOutput], key: int) -> ForwardOutput:
+    """A captured forward over its static batch `sb`: the runner's backend planned, then the graph
+    replayed; emulated (no graph), the runner's eager forward on the same buffers, its output held in
+    bucket `key`'s tensors as a replay's are (`held_output`). Both graph runners run through this."""
+    if cap.graph is None:
+        return held_output(emu, key, runner.forward_eager(sb, observe=False))
+    runner.binding.backend.plan(sb)
+    cap.graph.replay()
+    assert cap.out is not None
+    return cap.out

@@ -289,11 +289,9 @@ class TargetWorker:
             self.constrain.init_graph(buckets[-1])
 
             def masked(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
-                self.depth, self.constrain.static = 0, True
-                try:
+                self.depth = 0
+                with self.constrain.static_masks():
                     return self._body(rpi, live, MASKED, self.capture_view(int(rpi.shape[0])), True, None)
-                finally:
-                    self.constrain.static = False
 
             m = IterationGraph(self.iteration_name + " (grammar mask)", masked, meta, buckets,
                                self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
@@ -320,11 +318,8 @@ class TargetWorker:
             return self._mlogits[:pbs], [self.target.row_meta(batch)]
 
         def rest(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
-            self.constrain.static = True
-            try:
+            with self.constrain.static_masks():
                 return self._decode_sample(self._mlogits[: int(rpi.shape[0])], rpi, live, MASKED, None), []
-            finally:
-                self.constrain.static = False
 
         pad = self.target.binding.req_to_token.pad_row
         f = IterationGraph("decode forward (grammar masks later)", fwd, meta, buckets, pad, self.device,
@@ -359,10 +354,10 @@ class TargetWorker:
 
     def complete(self, s: SplitLaunch) -> Pending:
         """The second half of a split step: masks into the static buffer, then mask, sample and commit."""
+        assert self.masked_split is not None
         self.constrain.batch = s.cons
         self.constrain.fill_static(len(s.reqs))
-        packed, _ = self.masked_split[1].run(s.rpi, len(s.reqs)) if self.masked_split else (None, 0)
-        assert packed is not None
+        packed, _ = self.masked_split[1].run(s.rpi, len(s.reqs))
         self.forwards = self.replay_forwards(s.reqs, s.pbs)
         s.timer.mark()
         p = self._send(s.reqs, 1, s.flags, packed, s.timer)
@@ -533,11 +528,8 @@ class TargetWorker:
         masked = why is None and flags.constrained
         if masked:  # the grammars' masks into the static buffer, then the masked graph
             self.constrain.fill_static(bs)
-            self.constrain.static = True
-            try:
+            with self.constrain.static_masks():
                 packed, pbs = self.masked_graphs[self.depth].run(rpi, bs)
-            finally:
-                self.constrain.static = False
             self.forwards = self.replay_forwards(reqs, pbs)
             timer.mark()
         elif why is None:
