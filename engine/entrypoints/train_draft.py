@@ -183,6 +183,8 @@ def check_inputs(a: argparse.Namespace) -> None:
     for f in getattr(a, "prompts", None) or []:
         if not Path(f).is_file():
             raise FileNotFoundError(f"--prompts {f}: no such file")
+    if getattr(a, "eval_holdout", 0) < 0:
+        raise ValueError(f"--eval-holdout must be >= 0, not {a.eval_holdout}")
     if getattr(a, "samples_per_prompt", 1) < 1:
         raise ValueError(f"--samples-per-prompt must be >= 1, not {a.samples_per_prompt}")
     for opt in ("data", "skip_greedy_in"):

@@ -642,6 +642,7 @@ def test_train_draft_for_your_own_hf_model_and_prompts(tmp_path: Path) -> None:
             "--epochs", "1", "--eval-max-new-tokens", "6", "--eval-batch", "4", "--eval-temperatures", "0",
             "--eval-budget-s", "60"]
     assert cli.main([*args[:5], str(tmp_path / "none.jsonl"), *args[6:]]) == 2 and not out.exists()
+    assert cli.main([*args, "--eval-holdout", "-1"]) == 2 and not out.exists()
     assert cli.main(args) == 0
     s = json.loads((exp / "summary.json").read_text())
     gen = s["generate"]["settings"]
