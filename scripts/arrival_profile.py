@@ -1,0 +1,143 @@
+"""Where an engine step's host time goes when arrivals come one by one, as they do through the server.
+
+`python scripts/arrival_profile.py [--requests N] [--concurrency C] [--max-new-tokens T] [--out FILE]`
+runs a closed loop through `Engine.add_request`/`step` on a SmolLM2-135M-shaped model with dummy
+weights (a tiny one on the CPU): C requests in flight, the next prompt added `delay` steps after a
+finish frees its slot (0 is what `bench serve-matrix --offline` replays; 1-2 steps is the server's
+round trip). For target-only, the random 3-layer draft at full depth and the `auto` policy it prints
+per delay: output tok/s, steps by mode (EXTEND, DECODE, MIXED) and their mean host time, the
+speculative worker's host time in prefill, launch, finish, draft fill and catch-up, and, in the
+delay-1 run, the Python lines at which CUDA synchronised (`torch.cuda.set_sync_debug_mode`), counted.
+Shapes only: the dummy draft accepts next to nothing, so its tok/s say nothing about speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from mleagle.engine.contract.config import EngineConfig, MleagleConfig, ModelArch, ModelSource
+from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import Engine
+from mleagle.engine.spec import worker as SW
+
+ACC: collections.Counter[str] = collections.Counter()
+
+
+def model_config(small: bool) -> MleagleConfig:
+    if small:
+        arch = ModelArch(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         tie_word_embeddings=True)
+    else:
+        arch = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True)
+    return MleagleConfig(model=ModelSource(name="smollm2-135m-shape", load_format="dummy", arch=arch),
+                         engine=EngineConfig(max_total_tokens=65536, max_context_len=2048))
+
+
+def time_method(cls: type, name: str) -> None:
+    f = getattr(cls, name)
+
+    def w(self: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        r = f(self, *a, **k)
+        ACC[name] += time.perf_counter() - t0
+        ACC[name + "_n"] += 1
+        return r
+
+    setattr(cls, name, w)
+
+
+def run(e: Engine, prompts: list[list[int]], sp: SamplingParams, conc: int, delay: int, syncs: bool) -> dict[str, Any]:
+    ACC.clear()
+    n = len(prompts)
+    i = live = steps = tok = 0
+    pend: list[tuple[int, int]] = []  # (steps to wait, prompt index)
+    bym: collections.Counter[str] = collections.Counter()
+    tby: collections.Counter[str] = collections.Counter()
+    sync_at: collections.Counter[str] = collections.Counter()
+    t0 = time.perf_counter()
+    while i < n or pend or e.has_work():
+        pend = [(s - 1, k) for s, k in pend]
+        for _, k in [p for p in pend if p[0] <= 0]:
+            e.add_request(f"r{k}", prompts[k], sp)
+        pend = [p for p in pend if p[0] > 0]
+        while live < conc and i < n:
+            if delay == 0 or steps == 0:
+                e.add_request(f"r{i}", prompts[i], sp)
+            else:
+                pend.append((delay, i))
+            i += 1
+            live += 1
+        if not e.has_work():
+            continue
+        debug = syncs and e.device.type == "cuda" and 20 < steps < 400
+        if debug:
+            torch.cuda.set_sync_debug_mode(1)
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            ts = time.perf_counter()
+            outs = e.step()
+            dt = time.perf_counter() - ts
+        if debug:
+            torch.cuda.set_sync_debug_mode(0)
+        for w in ws:
+            if "synchroniz" in str(w.message):
+                sync_at[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
+        m = e.scheduler.report.mode
+        bym[m] += 1
+        tby[m] += dt
+        steps += 1
+        tok += sum(len(o.token_ids) for o in outs)
+        live -= sum(1 for o in outs if o.finished)
+    wall = time.perf_counter() - t0
+    return {"delay": delay, "tok_s": round(tok / wall), "wall_s": round(wall, 3), "steps": steps, "by_mode": dict(bym),
+            "ms_by_mode": {k: round(tby[k] / bym[k] * 1e3, 3) for k in bym},
+            "worker_ms": {k: round(v * 1e3, 1) for k, v in ACC.items() if not k.endswith("_n")},
+            "worker_calls": {k[:-2]: v for k, v in ACC.items() if k.endswith("_n")},
+            "syncs": dict(sync_at.most_common(12))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--out", default=None, help="JSON with every row")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = model_config(dev == "cpu")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49000) for _ in range(rng.randrange(30, 130))] for _ in range(a.requests)]
+    sp = SamplingParams(temperature=0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
+    for name in ("catch_up", "prefill", "launch", "finish", "_draft_fill"):
+        time_method(SW.SpecWorker, name)
+    rows = []
+    for draft, policy in [("none", "always"), ("random:3", "always"), ("random:3", "auto")]:
+        e = Engine(cfg, device=dev, draft=draft, spec_policy=policy, max_running_requests=a.concurrency, seed=0)
+        run(e, prompts, sp, a.concurrency, 0, False)  # warms every shape
+        for delay, syncs in ((0, False), (1, True), (2, False), (1, False)):
+            r = run(e, prompts, sp, a.concurrency, delay, syncs)
+            r.update(draft=draft, policy=policy, sync_debug=syncs)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        del e
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
