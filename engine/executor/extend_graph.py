@@ -148,7 +148,7 @@ class ExtendGraphRunner:
             for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
                 seq[i], start[i], lens[i] = p + e, s, e
                 s += e
-        self.meta[:, :r].copy_(torch.tensor([seq, start, lens], dtype=torch.int64))
+        self.meta[:, :r].copy_(torch.tensor([seq, start, lens], dtype=torch.int64), non_blocking=True)
         if batch is None:
             return base
         pad = [0] * (r - bs)

@@ -82,10 +82,10 @@ class SlotState:
         v = self.vocab
         rows = [r.req_pool_idx for r in reqs]
         ps = [r.params for r in reqs]
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
         def put(t: torch.Tensor, vals: list) -> None:
-            t.index_copy_(0, idx, torch.tensor(vals, dtype=t.dtype).to(self.device))
+            t.index_copy_(0, idx, torch.tensor(vals, dtype=t.dtype).to(self.device, non_blocking=True))
 
         put(self.greedy, [p.greedy for p in ps])
         put(self.temperature, [p.temperature if not p.greedy else 1.0 for p in ps])
@@ -143,7 +143,8 @@ class SlotState:
     def set_kv_len(self, reqs: Sequence[Req]) -> None:
         if reqs:
             idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-            self.kv_len.index_copy_(0, idx.to(self.device), torch.tensor([r.kv_len for r in reqs]).to(self.device))
+            self.kv_len.index_copy_(0, idx.to(self.device, non_blocking=True),
+                                   torch.tensor([r.kv_len for r in reqs]).to(self.device, non_blocking=True))
 
     # --- per batch -----------------------------------------------------------------------------
     def flags(self, rows: Sequence[int], reqs: Sequence[Req] | None = None) -> RowFlags:

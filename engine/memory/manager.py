@@ -147,7 +147,7 @@ class MemoryManager:
             return
         slots = torch.from_numpy(page_slots(pages, self.page_size))
         for m in self.maps:
-            m.req_to_token[req.req_pool_idx, start : start + len(slots)] = slots.to(m.req_to_token.device)
+            m.req_to_token[req.req_pool_idx, start : start + len(slots)] = slots.to(m.req_to_token.device, non_blocking=True)
 
     def release(self, req: HoldsKV, keep: list[int] | None = None) -> None:
         """Give back everything `req` holds. `keep` are the leading tokens whose KV is valid in every

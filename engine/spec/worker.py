@@ -277,13 +277,13 @@ class SpecWorker(TargetWorker):
         # the bonus, else draft number (p+k+1 - kv_len) made by an earlier layer (`tail`).
         dev, n = self.device, len(reqs)
         seq = torch.tensor([t for r, st, n, b in zip(reqs, starts, lens, bonus) for t in [*r.fill_ids[st : st + n], b]],
-                           dtype=torch.int64).to(dev)
+                           dtype=torch.int64).to(dev, non_blocking=True)
         lens_t = torch.tensor(lens, dtype=torch.int64)
         offs = torch.cat([torch.zeros(1, dtype=torch.int64), (lens_t + 1).cumsum(0)[:-1]])  # each request's seq start
-        row_req = torch.repeat_interleave(torch.arange(n), lens_t).to(dev)
-        rel = torch.cat([torch.arange(x) for x in lens]).to(dev)  # p - start_i, per row
-        offs, lens_d = offs.to(dev), lens_t.to(dev)
-        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev)
+        row_req = torch.repeat_interleave(torch.arange(n), lens_t).to(dev, non_blocking=True)
+        rel = torch.cat([torch.arange(x) for x in lens]).to(dev, non_blocking=True)  # p - start_i, per row
+        offs, lens_d = offs.to(dev, non_blocking=True), lens_t.to(dev, non_blocking=True)
+        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
         flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
         flags = self.constrain.begin(reqs, flags)  # constrain: the first drafts follow the grammar
         tail = torch.zeros(n, self.steps + 1, dtype=torch.int64, device=dev)
@@ -401,7 +401,7 @@ class SpecWorker(TargetWorker):
         n_t = torch.tensor(lens)
         rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in rs]), n_t)  # type: ignore[misc]
         pos = torch.cat([torch.arange(v, v + n) for v, n in zip(starts, lens)])
-        slots = self.r2t[rows.to(self.device), pos.to(self.device)]
+        slots = self.r2t[rows.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)]
         self._draft_fill(rs, starts, lens, [b for _, b in todo], self.hpool[slots])
         if not measure:  # a put-off draft prefill, not a switch's cost
             return
