@@ -85,7 +85,7 @@ class EventsRelay:
                 # Everything waiting, in one wake-up: a speculative engine publishes ~15 events a step,
                 # hundreds of steps a second, and one event loop pass per event (poll, then recv) costs
                 # the daemon twice what the event itself does.
-                batch = []
+                batch: list[list[bytes]] = []
                 while len(batch) < DRAIN_MAX and sub.sock.get(zmq.EVENTS) & zmq.POLLIN:
                     batch.append(await sub.sock.recv_multipart(zmq.NOBLOCK))
             except (zmq.ZMQError, asyncio.CancelledError):
