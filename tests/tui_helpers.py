@@ -53,6 +53,9 @@ def paused_at(stop: int, *keys: str) -> Callable[[Pilot], object]:
             await pilot.pause()
         app.refresh_view(force=True)
         await pilot.pause()
+        # A tab switch animates its underline: on a loaded machine two pauses can end mid-animation,
+        # and the snapshot then differs from the reference in the tab bar.
+        await pilot.wait_for_scheduled_animations()
         await pilot.pause()
 
     return run
