@@ -16,6 +16,8 @@ bucket (costs and acceptance drift with the traffic), and a new best depth must 
 by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
 switch up makes the draft layers that fell behind catch up, see `SpecWorker`; its measured time is
 fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
+The same charge holds when the batch moves into a bucket whose own choice is deeper than the depth
+running: the catch-up is the same whichever bucket asks for it.
 A drafting depth is also charged the draft layers' pass over the prompts that arrive meanwhile (the
 measured host time of a prefill step's draft prefill times how many such steps come per iteration):
 under a heavy arrival rate that pass costs more than drafting saves, so the batch decodes plainly and
@@ -137,6 +139,11 @@ class SpecPolicy:
         extra = self.fill_cost * self.fills_per_iter if depth else 0.0
         return self.tokens(depth, b < 0) / (self.cost[(b, depth)] + extra)
 
+    def _up(self, b: int, depth: int) -> float:
+        """A switch up to `depth` in bucket `b`: its catch-up's time spread over `horizon` iterations,
+        as a share of one iteration at that depth (what its rate must beat the current one by)."""
+        return self.catch_up_cost / (self.horizon * self.cost[(b, depth)])
+
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
         """The bucket a batch is costed in: `size_bucket`, negated for constrained batches."""
@@ -182,9 +189,16 @@ class SpecPolicy:
             # A deeper depth first pays a catch-up: worth it only if it saves more over `horizon`
             # iterations (the time one iteration at the new depth saves against the current rate).
             # And no switch back within `dwell` visits of the last: noise must not flip it each step.
-            up = self.catch_up_cost / (self.horizon * self.cost[(b, best)]) if best > cur else 0.0
+            up = self._up(b, best) if best > cur else 0.0
             if rates[best] < rates[cur] * (1 + self.margin + up) or self._since[b] < self.dwell:
                 best = cur
+        live = self.last.depth  # what the draft layers are current to, whichever bucket chose it
+        if live in rates and best > live and best == cur and rates[best] < rates[live] * (1 + self.margin + self._up(b, best)):
+            # The batch moved into a bucket whose own choice is deeper than the depth running now
+            # (a request finished or arrived): going up pays the same catch-up as any switch up, so
+            # it must repay it too. Without this a batch whose size hovers across two buckets flips
+            # depth with them, a catch-up at every flip.
+            best = live
         reason = "best" if best == cur else "switch"
         if best != cur:
             self._since[b] = 0

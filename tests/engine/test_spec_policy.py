@@ -197,6 +197,27 @@ def test_a_switch_up_pays_for_its_catch_up_first() -> None:
     assert down.choose(4).depth == 0
 
 
+def test_a_batch_hovering_across_buckets_does_not_flip_depth_with_them() -> None:
+    """Bucket 2 learned depth 1 (10 % better there) and bucket 4 depth 0. The batch now runs at depth 0
+    in bucket 4, and a request finishing moves it into bucket 2. Going up there pays a catch-up like
+    any switch up, so with a catch-up of 20 iterations' time it stays at depth 0. With a cheap catch-up
+    it goes up. A bucket that chose depth 0 while depth 1 ran goes down at once."""
+    def taught(catch_up: float) -> SpecPolicy:
+        p = SpecPolicy("auto", 1, horizon=64, dwell=0)
+        _teach(p, 2, {0: 1.0, 1: 1.0}, acc=0.0)  # bucket 2: depth 1 costs what depth 0 does
+        _teach(p, 4, {0: 1.0, 1: 2.0}, acc=0.0)  # bucket 4: twice
+        p.acc = [0.1]  # depth 1 now gives 1.1 tokens: 10 % better in bucket 2, 45 % worse in bucket 4
+        p.current[2], p.current[4] = 1, 0
+        p.catch_up_cost = catch_up
+        assert p.choose(4).depth == 0  # the batch runs at depth 0
+        return p
+
+    assert [taught(20.0).choose(2).depth for _ in range(3)] == [0, 0, 0]
+    assert taught(1.0).choose(2).depth == 1
+    up = taught(1.0)
+    assert up.choose(2).depth == 1 and up.choose(4).depth == 0
+
+
 def test_heavy_arrivals_make_drafting_pay_for_the_draft_prefill() -> None:
     """Depth 1 makes twice the tokens per iteration, but when every iteration brings a prefill whose draft
     prefill costs an iteration's time, plain decoding wins; with few arrivals drafting wins again."""
