@@ -222,9 +222,10 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     rpi = torch.tensor(req_pool_indices, dtype=torch.int64)
     row_req = torch.repeat_interleave(rpi, torch.tensor(extend_lens))
     # Indices go to the map's device by a non-blocking copy: indexing a CUDA tensor with CPU indices
-    # copies them synchronously, which would wait for the iteration in flight.
-    on = req_to_token.device
-    loc = req_to_token[row_req.to(on, non_blocking=True), pos.to(on, non_blocking=True)]
+    # copies them synchronously, which would wait for the iteration in flight. The positions are copied
+    # once, for the lookup and the batch (the map lives on the batch's device).
+    pos = pos.to(device, non_blocking=True)
+    loc = req_to_token[row_req.to(req_to_token.device, non_blocking=True), pos.to(req_to_token.device)]
     ends = torch.tensor(extend_lens).cumsum(0) - 1 if bs else torch.zeros(0, dtype=torch.int64)
     if pruned_rows is not None:
         rows = torch.tensor(pruned_rows, dtype=torch.int64)
@@ -240,8 +241,7 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
         raise AssertionError(f"logit rows {rows.numel()} != num_logit_rows {n} for {mode.value}")
     ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
     return ForwardBatch(
-        mode=mode, input_ids=ids.to(device, non_blocking=True), positions=pos.to(device, non_blocking=True),
-        out_cache_loc=loc.to(device, non_blocking=True),
+        mode=mode, input_ids=ids.to(device, non_blocking=True), positions=pos, out_cache_loc=loc.to(device),
         req_pool_indices=rpi.to(device, non_blocking=True),
         seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)]).to(device, non_blocking=True),
         extend_lens=list(extend_lens), prefix_lens=list(prefix_lens), logit_rows=rows.to(device, non_blocking=True),

@@ -139,11 +139,6 @@ class SpecPolicy:
         extra = self.fill_cost * self.fills_per_iter if depth else 0.0
         return self.tokens(depth, b < 0) / (self.cost[(b, depth)] + extra)
 
-    def _up(self, b: int, depth: int) -> float:
-        """A switch up to `depth` in bucket `b`: its catch-up's time spread over `horizon` iterations,
-        as a share of one iteration at that depth (what its rate must beat the current one by)."""
-        return self.catch_up_cost / (self.horizon * self.cost[(b, depth)])
-
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
         """The bucket a batch is costed in: `size_bucket`, negated for constrained batches."""
@@ -185,19 +180,16 @@ class SpecPolicy:
         rates = {d: self.rate(b, d) for d in self.choices}
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)
-        if best != cur:
-            # A deeper depth first pays a catch-up: worth it only if it saves more over `horizon`
-            # iterations (the time one iteration at the new depth saves against the current rate).
-            # And no switch back within `dwell` visits of the last: noise must not flip it each step.
-            up = self._up(b, best) if best > cur else 0.0
-            if rates[best] < rates[cur] * (1 + self.margin + up) or self._since[b] < self.dwell:
-                best = cur
-        live = self.last.depth  # what the draft layers are current to, whichever bucket chose it
-        if live in rates and best > live and best == cur and rates[best] < rates[live] * (1 + self.margin + self._up(b, best)):
-            # The batch moved into a bucket whose own choice is deeper than the depth running now
-            # (a request finished or arrived): going up pays the same catch-up as any switch up, so
-            # it must repay it too. Without this a batch whose size hovers across two buckets flips
-            # depth with them, a catch-up at every flip.
+        # A switch within the bucket needs a clear gain, and none within `dwell` visits of the last:
+        # noise must not flip it each step.
+        if best != cur and (rates[best] < rates[cur] * (1 + self.margin) or self._since[b] < self.dwell):
+            best = cur
+        # Deeper than the draft layers are current to (the depth running now, whichever bucket chose
+        # it: a batch whose size crosses buckets must not flip depth with them) pays a catch-up first:
+        # worth it only if it saves more over `horizon` iterations than the catch-up costs.
+        live = self.last.depth if self.last.depth in rates else cur
+        up = self.catch_up_cost / (self.horizon * self.cost[(b, best)])  # the catch-up, per iteration
+        if best > live and rates[best] < rates[live] * (1 + self.margin + up):
             best = live
         reason = "best" if best == cur else "switch"
         if best != cur:
