@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from mleagle.engine.memory.zeros import lazy_zeros
+
 
 class KVPool:
     def __init__(self, name: str, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 1):
         self.name = name
         self.num_layers, self.num_slots, self.page_size = num_layers, num_slots, page_size
-        self.k = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One allocation viewed per layer, zero without touching its pages on the CPU (see `lazy_zeros`).
+        self.buf = lazy_zeros((num_layers, 2, num_slots, kv_heads, head_dim), dtype, device)
+        self.k = [self.buf[i, 0] for i in range(num_layers)]
+        self.v = [self.buf[i, 1] for i in range(num_layers)]
         self.num_writes = 0
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -26,7 +30,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.buf.numel() * self.buf.element_size()
 
     @staticmethod
     def slot_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -82,6 +82,7 @@ from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import accepted, rotate
 from mleagle.engine.executor.worker import TargetWorker
 from mleagle.engine.memory.manager import page_slots
+from mleagle.engine.memory.zeros import lazy_zeros
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
@@ -134,8 +135,8 @@ class SpecWorker(TargetWorker):
         self.draft_ok = np.zeros(0, dtype=bool)
         if policy in ("auto", "cycle"):
             layer0 = self._layer(0)
-            self.hpool = torch.zeros(pool.num_slots, layer0.hidden_in_size, dtype=next(layer0.parameters()).dtype,
-                                     device=self.device)
+            self.hpool = lazy_zeros((pool.num_slots, layer0.hidden_in_size), next(layer0.parameters()).dtype,
+                                    self.device)
             self.draft_ok = np.zeros(pool.num_slots, dtype=bool)
         self.page_size = int(getattr(pool, "page_size", 1))
         self._held: StepPlan | None = None  # a plan the scheduler could not launch overlapped (see `hold`)
