@@ -37,7 +37,6 @@ def chat_msgs(q: str) -> list[dict[str, str]]:
 
 
 def test_health_models_and_no_torch(srv, oai):
-    assert srv.healthy_s < 30
     st, body = srv.get("/health")
     assert st == 200 and body["status"] == "ok"
     ids = [m.id for m in oai.models.list().data]

@@ -14,10 +14,10 @@ PROMPTS = ["Write a short note to a colleague explaining why the release is dela
            "Explain what a hash table is to a new programmer, with one example in Python."]
 
 
-def _run(draft: str) -> tuple[list[list[int]], float]:
+def _run(draft: str, n: int = 48) -> tuple[list[list[int]], float]:
     e = smol(draft)
     ids = [e.encode_prompt(p, chat=True) for p in PROMPTS]
-    outs = e.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=48))
+    outs = e.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=n))
     spec = [o.spec for o in outs if o.spec is not None]
     ver = sum(s.num_verify for s in spec)
     acc = sum(sum(s.accepted_per_depth) for s in spec)
@@ -28,6 +28,6 @@ def test_the_shipped_draft_serves_exactly_and_accepts() -> None:
     ref, _ = _run("none")
     got, accept_len = _run(SHIPPED)
     assert got == ref
-    _, untrained = _run("random:3")
+    _, untrained = _run("random:3", 16)  # it accepts next to nothing from the first token on
     print(f"accept length: shipped {accept_len:.3f}, random:3 {untrained:.3f}")
     assert untrained < 1.1 and accept_len > 1.8

@@ -97,7 +97,7 @@ def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:
 
 def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["exact"], ranks[1]["exact"]
-    assert len(r0) == 22
+    assert len(r0) == 17  # 11 configurations under all_reduce, the 6 whose forwards differ under scattered too
     for key, r in r0.items():
         assert r["equal"], key
         assert r["free"] and r1[key]["free"], key

@@ -71,7 +71,7 @@ def open_files(pids: list[int]) -> list[str]:
 # One process tries every port at once, each in a thread: a TCPStore client's handshake with a port
 # that is not a store (gloo's listeners) can wait forever, whatever its timeout.
 PROBE = """
-import datetime, json, os, sys, threading
+import datetime, json, os, sys, threading, time
 from torch.distributed import TCPStore
 reached = []
 def probe(host, port):
@@ -87,8 +87,9 @@ def probe(host, port):
 ts = [threading.Thread(target=probe, args=tuple(a), daemon=True) for a in json.loads(sys.argv[1])]
 for t in ts:
     t.start()
+end = time.monotonic() + 10  # one deadline for all: a probe the far end leaves hanging has not reached it
 for t in ts:
-    t.join(10)
+    t.join(max(0.0, end - time.monotonic()))
 print(json.dumps(reached), flush=True)
 os._exit(0)
 """
