@@ -18,9 +18,13 @@ switch up makes the draft layers that fell behind catch up, see `SpecWorker`; it
 fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
 The same charge holds when the batch moves into a bucket whose own choice is deeper than the depth
 running: the catch-up is the same whichever bucket asks for it.
-A drafting depth is also charged the draft layers' pass over the prompts that arrive meanwhile (the
-measured host time of a prefill step's draft prefill times how many such steps come per iteration):
-under a heavy arrival rate that pass costs more than drafting saves, so the batch decodes plainly and
+A drafting depth is also charged the draft layers' pass over the prompts that arrive meanwhile: the
+measured host time of a prefill step's draft prefill, times how many such steps come per output token
+(requests end after so many tokens, whatever the depth), times the tokens an iteration of that depth
+makes. Counted per iteration instead, the charge was measured mostly at depth 0, where an iteration
+makes a third of the tokens, and a deep iteration that met three times the arrivals was charged for
+one (CPU, concurrency 4: the policy predicted 1.02-1.06x for depth 3 while the server lost 10-25 %).
+Under a heavy arrival rate the pass costs more than drafting saves, so the batch decodes plainly and
 its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
 `auto` chooses between depth 0 and S (`choices`): a depth in between leaves the layers past it behind,
 so every return to S would pay a catch-up, and on the machines measured it never beat both ends
@@ -76,6 +80,8 @@ class PolicyStats:
     """What the policy did, for state events, metrics and benchmarks."""
 
     iterations_by_depth: list[int] = field(default_factory=list)
+    # The same per size bucket ("4" or, constrained, "-4"): which depth each batch size really ran.
+    iterations_by_bucket: dict[str, list[int]] = field(default_factory=dict)
     tokens_gained: int = 0  # accepted drafts: tokens beyond one per request-iteration
     explore_iterations: int = 0
     switches: int = 0
@@ -106,9 +112,11 @@ class SpecPolicy:
         self.catch_up_cost = 0.0  # seconds per catch-up (rolling), charged to a switch up
         # Drafting also costs the draft layers' pass over every prompt (a draft prefill, or the catch-up
         # that does it later): seconds per prefill step that completes a prompt (rolling), times such
-        # steps per decode iteration (the arrival load, counted at every depth).
+        # steps per output token (the arrival load, counted at every depth: rolling sums of both over
+        # about the last 50 iterations).
         self.fill_cost = 0.0
-        self.fills_per_iter = 0.0
+        self._fill_sum = 0.0
+        self._token_sum = 0.0
         self._fills = 0
         self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted
         self.acc_seen = [0] * steps  # request-iterations behind each a_j
@@ -132,12 +140,20 @@ class SpecPolicy:
         """Expected tokens per request from one iteration of `depth`: 1 + a_1 + … + a_depth."""
         return 1.0 + sum((self.acc_c if constrained else self.acc)[:depth])
 
-    def rate(self, b: int, depth: int) -> float:
+    @property
+    def fills_per_token(self) -> float:
+        """Prefill steps that complete prompts, per output token (rolling)."""
+        return self._fill_sum / self._token_sum if self._token_sum > 0 else 0.0
+
+    def rate(self, b: int, depth: int, bs: int | None = None) -> float:
         """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket; a
-        negative bucket is constrained batches'): a drafting depth also pays the draft layers' share
-        of the prompts arriving meanwhile."""
-        extra = self.fill_cost * self.fills_per_iter if depth else 0.0
-        return self.tokens(depth, b < 0) / (self.cost[(b, depth)] + extra)
+        negative bucket is constrained batches') for a batch of `bs` (default: the bucket's size): a
+        drafting depth also pays the draft layers' pass over the prompts that arrive while it makes
+        its tokens."""
+        t = self.tokens(depth, b < 0)
+        n = bs if bs is not None else abs(b)
+        extra = self.fill_cost * self.fills_per_token * n * t if depth else 0.0
+        return t / (self.cost[(b, depth)] + extra)
 
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
@@ -177,7 +193,7 @@ class SpecPolicy:
             if self.samples[(b, d)] < self.min_samples:
                 self.stats.explore_iterations += 1
                 return Decision(d, "explore: not measured yet")
-        rates = {d: self.rate(b, d) for d in self.choices}
+        rates = {d: self.rate(b, d, bs) for d in self.choices}
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)
         # A switch within the bucket needs a clear gain, and none within `dwell` visits of the last:
@@ -223,8 +239,12 @@ class SpecPolicy:
         it was not measurable: after a prefill or a catch-up, the interval holds them too), and whether
         the batch was constrained."""
         self.stats.iterations_by_depth[depth] += 1
+        by = self.stats.iterations_by_bucket.setdefault(str(self.key(bs, constrained)), [0] * (self.steps + 1))
+        by[depth] += 1
         self.stats.tokens_gained += sum(accepted)
-        self.fills_per_iter = 0.98 * self.fills_per_iter + 0.02 * self._fills  # about the last 50 iterations
+        made = sum(a + 1 for a in accepted) if accepted else bs  # this iteration's output tokens
+        self._fill_sum = 0.98 * self._fill_sum + 0.02 * self._fills  # about the last 50 iterations
+        self._token_sum = 0.98 * self._token_sum + 0.02 * made
         self._fills = 0
         b = self.key(bs, constrained)
         base = self.cost.get((b, 0))
@@ -289,7 +309,7 @@ class SpecPolicy:
             "mode": self.mode, "depth": self.last.depth, "reason": self.last.reason,
             "predicted_gain": self.last.predicted_gain, "measured_gain": self.measured_gain,
             "acceptance": list(self.acc), "acceptance_constrained": list(self.acc_c), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
-            "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_iteration": round(self.fills_per_iter, 4),
+            "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_token": round(self.fills_per_token, 5),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             **{k: v for k, v in vars(self.stats).items()},
         }
