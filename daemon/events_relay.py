@@ -27,9 +27,10 @@ from mleagle.engine.contract.events import EVENT_TYPES, DropsEvent, EventError, 
 log = logging.getLogger("mleagle.daemon.events")
 SUB_QUEUE = 2048
 DRAIN_MAX = 1024  # frames taken per wake-up, so a flood still yields to the HTTP handlers
-# Event types the tracker keeps only the newest of (and logprob metadata, which it does not keep): with
-# no subscriber they are stored raw and parsed only for a snapshot.
-LATEST_ONLY = frozenset({b"batch", b"acceptance", b"spec_policy", b"logprob_meta"})
+# Event types the tracker keeps only the newest of: with no subscriber they are stored raw and parsed
+# only for a snapshot. Logprob metadata the tracker does not keep at all: with no subscriber it is dropped.
+LATEST_ONLY = frozenset({b"batch", b"acceptance", b"spec_policy"})
+UNTRACKED = frozenset({b"logprob_meta"})
 
 
 class _Sub:
@@ -101,10 +102,11 @@ class EventsRelay:
             for frames in batch:
                 self.received += 1
                 kind = frames[0]
-                if not self.subs and kind in LATEST_ONLY:
-                    # Nobody is listening and the tracker keeps only the newest of these: parse it
-                    # when a subscriber's snapshot needs it (`_settle`), not hundreds of times a second.
-                    self.latest[kind] = frames[-1]
+                if not self.subs and (kind in LATEST_ONLY or kind in UNTRACKED):
+                    # Nobody is listening and the tracker keeps only the newest of these (or none): parse
+                    # it when a subscriber's snapshot needs it (`_settle`), not hundreds of times a second.
+                    if kind in LATEST_ONLY:
+                        self.latest[kind] = frames[-1]
                     continue
                 try:
                     e = parse_event(frames[-1])

@@ -19,7 +19,7 @@ LAZY_MIN_BYTES = 1 << 20
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     n = math.prod(shape)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = n * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < LAZY_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     # The tensor keeps the mapping alive (frombuffer holds the buffer); it is unmapped with the tensor.

@@ -22,8 +22,8 @@ A drafting depth is also charged the draft layers' pass over the prompts that ar
 measured host time of a prefill step's draft prefill, times how many such steps come per output token
 (requests end after so many tokens, whatever the depth), times the tokens an iteration of that depth
 makes. Counted per iteration instead, the charge was measured mostly at depth 0, where an iteration
-makes a third of the tokens, and a deep iteration that met three times the arrivals was charged for
-one (CPU, concurrency 4: the policy predicted 1.02-1.06x for depth 3 while the server lost 10-25 %).
+makes a third of the tokens, so a deep iteration that meets three times the arrivals was charged for
+one (results/BENCH_POLICY.md, "The CPU at concurrency 4").
 Under a heavy arrival rate the pass costs more than drafting saves, so the batch decodes plainly and
 its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
 `auto` chooses between depth 0 and S (`choices`): a depth in between leaves the layers past it behind,
@@ -145,14 +145,12 @@ class SpecPolicy:
         """Prefill steps that complete prompts, per output token (rolling)."""
         return self._fill_sum / self._token_sum if self._token_sum > 0 else 0.0
 
-    def rate(self, b: int, depth: int, bs: int | None = None) -> float:
+    def rate(self, b: int, depth: int, bs: int) -> float:
         """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket; a
-        negative bucket is constrained batches') for a batch of `bs` (default: the bucket's size): a
-        drafting depth also pays the draft layers' pass over the prompts that arrive while it makes
-        its tokens."""
+        negative bucket is constrained batches') for a batch of `bs`: a drafting depth also pays the
+        draft layers' pass over the prompts that arrive while it makes its tokens."""
         t = self.tokens(depth, b < 0)
-        n = bs if bs is not None else abs(b)
-        extra = self.fill_cost * self.fills_per_token * n * t if depth else 0.0
+        extra = self.fill_cost * self.fills_per_token * bs * t if depth else 0.0
         return t / (self.cost[(b, depth)] + extra)
 
     @staticmethod
@@ -238,15 +236,14 @@ class SpecPolicy:
         """One finished iteration: its depth, each request's accepted drafts, its wall time (None where
         it was not measurable: after a prefill or a catch-up, the interval holds them too), and whether
         the batch was constrained."""
+        b = self.key(bs, constrained)
         self.stats.iterations_by_depth[depth] += 1
-        by = self.stats.iterations_by_bucket.setdefault(str(self.key(bs, constrained)), [0] * (self.steps + 1))
-        by[depth] += 1
+        self.stats.iterations_by_bucket.setdefault(str(b), [0] * (self.steps + 1))[depth] += 1
         self.stats.tokens_gained += sum(accepted)
         made = sum(a + 1 for a in accepted) if accepted else bs  # this iteration's output tokens
         self._fill_sum = 0.98 * self._fill_sum + 0.02 * self._fills  # about the last 50 iterations
         self._token_sum = 0.98 * self._token_sum + 0.02 * made
         self._fills = 0
-        b = self.key(bs, constrained)
         base = self.cost.get((b, 0))
         if seconds and base and (accepted or not depth):
             self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
