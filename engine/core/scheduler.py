@@ -21,8 +21,10 @@ that N finishes is then also in N+1: its results there are dropped (its epoch ch
 released at once (the device runs N+1 before anything queued later can reuse its slots). A step that
 finds prefill work while N is in flight is a **mixed step**: the prefill (arrivals, or the next chunk of
 a long prompt, on its prefill graph where it fits) runs behind N on the stream, then N+1 launches over
-every decoding request, the ones whose prefill just completed included, and N is finished; an arrival
-thus costs the decoding requests the prefill's own time, and the whole-iteration graph keeps running.
+every decoding request, the ones whose prefill just completed included (their first tokens are on the
+device already), and N is finished; only then does the host read the prefill's first tokens
+(`settle_prefill`). Nothing in the step waits for the device before N+1 is queued, so an arrival costs
+the decoding requests the prefill's own time, and the whole-iteration graph keeps running.
 With a constrained request running, a grammar-masked step N+1 launches its forward half before N is
 finished and its masked half after (its masks need N's tokens in the matchers); other constrained
 batches do not overlap. Anything else — preemption, an abort, an iteration whose draft layers must
@@ -176,6 +178,8 @@ class Scheduler:
                     else:
                         results = list(zip(p.reqs, self.worker.finish(p)))
                         rep.finished, rep.forwards = p, p.forwards
+        # The prefill's first tokens, read only now: in a mixed step the next iteration is already queued.
+        self.worker.settle_prefill()
         outputs += self.pending
         self.pending = []
         for req, res in results:

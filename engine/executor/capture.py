@@ -15,9 +15,11 @@ counts fails at start-up, never silently at serving time. Emulated (no CUDA: the
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -67,6 +69,23 @@ def capture_buckets(buckets: list[int], prepare: Callable[[int], M], body: Calla
     cuda = not emulate
     free0 = torch.cuda.mem_get_info()[0] if cuda else 0
     caps: dict[int, Capture[M, Out]] = {}
+    with _no_gc(cuda):
+        _capture_all(buckets, prepare, body, check, cuda, pool, caps)
+    if cuda:
+        # One replay of each graph on its all-padding inputs (they touch only the pad slot and pad row):
+        # a graph's first launch uploads it, and that cost belongs to start-up, not to a first request.
+        for cap in caps.values():
+            assert cap.graph is not None
+            cap.graph.replay()
+        torch.cuda.synchronize()
+        stats.capture_mb = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
+    stats.capture_s = time.perf_counter() - t0
+    return caps
+
+
+def _capture_all(buckets: list[int], prepare: Callable[[int], M], body: Callable[[int], Out],
+                 check: Callable[[int, M, Out | None], None], cuda: bool, pool: Any,
+                 caps: dict[int, Capture[M, Out]]) -> None:
     for pbs in sorted(set(buckets), reverse=True):
         meta = prepare(pbs)
         if not cuda:
@@ -81,16 +100,23 @@ def capture_buckets(buckets: list[int], prepare: Callable[[int], M], body: Calla
             out = body(pbs)
         check(pbs, meta, out)
         caps[pbs] = Capture(g, out, meta)
-    if cuda:
-        # One replay of each graph on its all-padding inputs (they touch only the pad slot and pad row):
-        # a graph's first launch uploads it, and that cost belongs to start-up, not to a first request.
-        for cap in caps.values():
-            assert cap.graph is not None
-            cap.graph.replay()
-        torch.cuda.synchronize()
-        stats.capture_mb = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
-    stats.capture_s = time.perf_counter() - t0
-    return caps
+
+
+@contextlib.contextmanager
+def _no_gc(on: bool) -> Iterator[None]:
+    """Python's cyclic garbage collector off while graphs are captured (after one collection): a
+    collection during a capture can free another engine's graphs, and destroying a graph is not
+    permitted while a stream captures, which invalidates the capture in progress (seen on the H200:
+    every later capture of that process then failed too). torch no longer collects before a capture."""
+    if not on or not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def held_output(store: dict[int, ForwardOutput], key: int, out: ForwardOutput) -> ForwardOutput:

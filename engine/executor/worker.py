@@ -5,8 +5,9 @@ scheduler owns memory and request life; the worker owns forwards, the per-slot d
 (`SlotState`) and its runners' CUDA graphs (`capture_graphs`: each runner's uniform forward through
 a `GraphRunner`, and the whole device-side iteration through an `IterationGraph`, both on the one
 capture skeleton; prefill by token bucket through an `ExtendGraphRunner` per runner). Prefill is
-host-described (ragged chunks) and synchronous: it replays a prefill graph where the chunk fits one,
-else runs eagerly. A decode step is `launch`
+host-described (ragged chunks): it replays a prefill graph where the chunk fits one, else runs
+eagerly, and its first tokens come back like an iteration's results, read only when the scheduler
+applies the step (`settle_prefill`), after it has launched the next iteration. A decode step is `launch`
 (gather the batch's rows from the slot state, forward, sample, scatter the new state back, and start
 one non-blocking copy of the results into pinned memory) then `finish` (wait for that copy, turn it
 into per-request results). `launch` replays the whole-iteration graph where `iteration_miss` finds no
@@ -109,6 +110,8 @@ class TargetWorker:
         self.depth = 0
         self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
+        # The last prefill's first tokens, on their way back, and the results they belong to (`settle_prefill`).
+        self._first: tuple[Pending, list[StepResult]] | None = None
         self._ar = torch.arange(128, device=self.device)
 
     @property
@@ -422,12 +425,26 @@ class TargetWorker:
                 self.constrain.commit(tok.view(-1, 1), torch.ones_like(tok))
             lp = logprobs(x_raw, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
             self.state.commit(rpi, tok.view(-1, 1), torch.ones_like(tok), flags, kv=False)
-            host = pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1).cpu()
-            p = Pending(fr, 1, flags, host, None, Timer(self.device), [r.epoch for r in fr])
-            for i, (toks, lps) in zip(first, unpack(p)):
-                results[i].tokens = toks
-                results[i].logprobs = lps
+            # The first tokens travel back like an iteration's results, and are read by `settle_prefill`
+            # when the scheduler applies the step: reading them here would wait for the iteration in flight
+            # and this prefill before the next iteration is even launched (the GPU would idle meanwhile).
+            p = self._copy_back(fr, 1, flags, pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1), Timer(self.device))
+            self._first = (p, [results[i] for i in first])
         return results
+
+    def settle_prefill(self) -> None:
+        """Fill in the first tokens of the last prefill's results (waiting for their copy, if still on its
+        way). The scheduler calls it before it applies a step's results, after launching the next
+        iteration: the device has that queued behind the prefill, so the wait does not leave it idle."""
+        first, self._first = self._first, None
+        if first is None:
+            return
+        p, results = first
+        if p.done is not None:
+            p.done.synchronize()
+        for res, (toks, lps) in zip(results, unpack(p)):
+            res.tokens = toks
+            res.logprobs = lps
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
         if flags.constrained:  # constrain: grammar masks and logit bias
@@ -598,6 +615,12 @@ class TargetWorker:
 
     def _send(self, reqs: list[Req], width: int, flags: RowFlags, packed: torch.Tensor, timer: Timer) -> Pending:
         """Start the one copy back of the iteration (pinned, non-blocking on CUDA)."""
+        self.inflight += 1
+        return self._copy_back(reqs, width, flags, packed, timer)
+
+    def _copy_back(self, reqs: list[Req], width: int, flags: RowFlags, packed: torch.Tensor, timer: Timer) -> Pending:
+        """A packed result on its way to the host: a non-blocking copy into pinned memory and an event
+        on CUDA (a pageable or blocking copy would wait for everything queued), the tensor itself on the CPU."""
         done = None
         if self._pinned:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -606,7 +629,6 @@ class TargetWorker:
             done.record()
         else:
             host = packed
-        self.inflight += 1
         return Pending(list(reqs), width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
 
     def finish(self, p: Pending) -> list[StepResult]:

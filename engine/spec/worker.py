@@ -25,7 +25,10 @@ prefill completes, each draft runner k runs over the positions this prefill comp
 pool: the whole sequence, or after a prefix-cache hit only the positions past the cached prefix, whose
 KV every draft pool already holds (as its owner left it; see README, "Prefix caching"). A hit leaves
 the last S cached positions to recompute (`prefix_margin`): there the owner's draft KV read tokens
-past the prefix. The draft layers' last outputs are the first drafts.
+past the prefix. The draft layers' last outputs are the first drafts. The draft prefill reads each
+request's first token from the slot state on the device (the host reads it later, see the scheduler),
+so it is launched right behind the target's prefill without waiting for it. A catch-up runs in groups
+of requests that fit the draft runners' prefill graphs (`_fill_groups`).
 
 Depth: the speculation policy (`mleagle.engine.spec.policy`) picks before each iteration how many
 draft steps S' in 0..S it runs (`plan`): S' = 0 is the target-only decode step, a smaller S' verifies
@@ -61,6 +64,7 @@ import torch
 
 from mleagle.engine.contract.outputs import SpecStats
 from mleagle.engine.core.request import Req
+from mleagle.engine.executor.extend_graph import ExtendGraphRunner
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -234,7 +238,9 @@ class SpecWorker(TargetWorker):
             self._prefill_timers.append((timer, False))
             return results
         if done:
-            bonus = [results[i].tokens[0] if results[i].tokens else reqs[i].output_ids[-1] for i in done]
+            # Each request's next input token (its first, just sampled, or a resumed request's last output)
+            # from the slot state on the device: the first tokens are still on their way to the host.
+            bonus = self.state.last_tok[self.rpi_of([reqs[i] for i in done])]
             self.policy.note_fill()
             if not pooled:
                 self._draft_prefill([reqs[i] for i in done], bonus)
@@ -252,7 +258,7 @@ class SpecWorker(TargetWorker):
         self._prefill_timers.append((timer, bool(done)))
         return results
 
-    def _draft_prefill(self, reqs: list[Req], bonus: list[int]) -> None:
+    def _draft_prefill(self, reqs: list[Req], bonus: list[int] | torch.Tensor) -> None:
         """Each draft runner over positions [start, kv_len) of each request (start = the cached prefix
         the draft pools already hold, else 0): layer k at position p reads t_{p+k+1}, so its ids are
         the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
@@ -262,12 +268,12 @@ class SpecWorker(TargetWorker):
         self._after_draft_prefill(reqs, lens)
         self._draft_fill(reqs, starts, lens, bonus, target_hidden)
 
-    def _draft_fill(self, reqs: list[Req], starts: list[int], lens: list[int], bonus: list[int],
+    def _draft_fill(self, reqs: list[Req], starts: list[int], lens: list[int], bonus: list[int] | torch.Tensor,
                     target_hidden: torch.Tensor) -> None:
         """Every draft layer over positions [start, start+len) of each request, from the target's hidden
         states there (`target_hidden`, the requests' rows in order), then the first drafts: a prefill's
-        or a catch-up's; `bonus` is each request's token at start+len. Afterwards every layer's KV is
-        current to start+len."""
+        or a catch-up's; `bonus` is each request's token at start+len (host values, or on the device
+        when the host does not have them yet). Afterwards every layer's KV is current to start+len."""
         for r, st, n in zip(reqs, starts, lens):
             r.draft_state.valid, r.draft_state.depth = st + n, self.steps
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
@@ -277,10 +283,14 @@ class SpecWorker(TargetWorker):
         # (lens_i + 1 entries); layer k at position p reads t_{p+k+1}, from `seq` while that is at most
         # the bonus, else draft number (p+k+1 - kv_len) made by an earlier layer (`tail`).
         dev, n = self.device, len(reqs)
-        seq = torch.tensor([t for r, st, n, b in zip(reqs, starts, lens, bonus) for t in [*r.fill_ids[st : st + n], b]],
+        host_bonus = not isinstance(bonus, torch.Tensor)
+        seq = torch.tensor([t for i, (r, st, m) in enumerate(zip(reqs, starts, lens))
+                            for t in [*r.fill_ids[st : st + m], bonus[i] if host_bonus else 0]],
                            dtype=torch.int64).to(dev, non_blocking=True)
         lens_t = torch.tensor(lens, dtype=torch.int64)
         offs = torch.cat([torch.zeros(1, dtype=torch.int64), (lens_t + 1).cumsum(0)[:-1]])  # each request's seq start
+        if not host_bonus:  # each window's last entry, from the device
+            seq[(offs + lens_t).to(dev, non_blocking=True)] = cast(torch.Tensor, bonus).to(torch.int64)
         row_req = torch.repeat_interleave(torch.arange(n), lens_t).to(dev, non_blocking=True)
         rel = torch.cat([torch.arange(x) for x in lens]).to(dev, non_blocking=True)  # p - start_i, per row
         offs, lens_d = offs.to(dev, non_blocking=True), lens_t.to(dev, non_blocking=True)
@@ -377,7 +387,7 @@ class SpecWorker(TargetWorker):
                     r.draft_state.depth = 0
         return s
 
-    def catch_up(self, reqs: list[Req], bonus: list[int] | None = None, measure: bool = True,
+    def catch_up(self, reqs: list[Req], bonus: list[int] | torch.Tensor | None = None, measure: bool = True,
                  fresh: bool = False) -> None:
         """Bring every draft layer of `reqs` current: one batched draft extend over the positions whose
         draft KV is missing ([valid, kv_len): decoded by shallower iterations, or a prompt whose draft
@@ -390,31 +400,59 @@ class SpecWorker(TargetWorker):
             raise RuntimeError("a draft catch-up needs the host's KV lengths: finish the iteration in flight first")
         assert self.hpool is not None
         nxt = bonus if bonus is not None else [r.fill_ids[r.kv_len] for r in reqs]
-        todo = [(r, b) for r, b in zip(reqs, nxt) if r.kv_len > r.draft_state.valid]
+        todo = [i for i, r in enumerate(reqs) if r.kv_len > r.draft_state.valid]
         for r in reqs:
             r.draft_state.depth = self.steps  # current once this returns (nothing to do for some)
         if not todo:
             return
         t0 = time.perf_counter()
-        rs = [r for r, _ in todo]
-        starts = [r.draft_state.valid for r in rs]
-        lens = [r.kv_len - v for r, v in zip(rs, starts)]
-        n_t = torch.tensor(lens)
-        rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in rs]), n_t)  # type: ignore[misc]
-        pos = torch.cat([torch.arange(v, v + n) for v, n in zip(starts, lens)])
-        slots = self.r2t[rows.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)]
-        self._draft_fill(rs, starts, lens, [b for _, b in todo], self.hpool[slots])
+        total = 0
+        for group in self._fill_groups([reqs[i].kv_len - reqs[i].draft_state.valid for i in todo]):
+            idx = [todo[g] for g in group]
+            rs = [reqs[i] for i in idx]
+            b: list[int] | torch.Tensor
+            if isinstance(nxt, torch.Tensor):
+                b = nxt if len(idx) == len(reqs) else nxt[torch.tensor(idx).to(nxt.device, non_blocking=True)]
+            else:
+                b = [nxt[i] for i in idx]
+            starts = [r.draft_state.valid for r in rs]
+            lens = [r.kv_len - v for r, v in zip(rs, starts)]
+            rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in rs]), torch.tensor(lens))  # type: ignore[misc]
+            pos = torch.cat([torch.arange(v, v + n) for v, n in zip(starts, lens)])
+            slots = self.r2t[rows.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)]
+            self._draft_fill(rs, starts, lens, b, self.hpool[slots])
+            total += sum(lens)
         if not measure:  # a put-off draft prefill, not a switch's cost
             return
         st = self.policy.stats
         st.catch_ups += 1
-        st.catch_up_positions += sum(lens)
+        st.catch_up_positions += total
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a measurement, and the catch-up is a sync point anyway
         dt = time.perf_counter() - t0
         st.catch_up_s += dt
         self.policy.observe_catch_up(dt)
         self._last_done = None  # the next iteration's interval holds this catch-up
+
+    def _fill_groups(self, lens: list[int]) -> list[list[int]]:
+        """Requests (by index) in groups whose draft fill each fits the draft runners' prefill graphs
+        (their largest token bucket and request slots), in order: a catch-up after a long stretch of
+        plain steps covers every running request's positions since, which one forward would run
+        eagerly. A request longer than the largest bucket goes alone (eagerly)."""
+        g = self.drafts[0].extend_graphs
+        if not isinstance(g, ExtendGraphRunner) or not g.buckets:
+            return [list(range(len(lens)))]
+        cap_t, cap_n = g.buckets[-1], g.slots(g.buckets[-1])
+        out: list[list[int]] = []
+        cur: list[int] = []
+        t = 0
+        for i, n in enumerate(lens):
+            if cur and (t + n > cap_t or len(cur) >= cap_n):
+                out.append(cur)
+                cur, t = [], 0
+            cur.append(i)
+            t += n
+        return [*out, cur] if cur else out
 
     def _keep_hidden(self, batch: ForwardBatch, out: ForwardOutput) -> None:
         """Every target forward's hidden states into the pool at its KV slots (a prefill's, a decode

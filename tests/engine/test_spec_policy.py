@@ -118,6 +118,45 @@ def test_catch_up_equals_prefill(draft: str) -> None:
     assert e.worker.policy.stats.catch_ups == 1
 
 
+def test_a_catch_up_larger_than_the_prefill_graphs_runs_in_groups_that_fit_them() -> None:
+    """Three requests 9 plain steps behind: 27 positions, more than the draft runners' largest prefill
+    bucket (16, emulated graphs). The catch-up runs in groups that fit it (no eager forward), and leaves
+    every draft layer's KV and the first drafts as one eager pass over all of them does."""
+    prompts = [list(range(40 + 7 * i, 52 + 7 * i)) for i in range(3)]
+    got = []
+    for emulate in (False, True):
+        e = tiny_engine("random:3:2", spec_policy="cycle", graph_emulate=emulate, prefill_graph_max_tokens=16,
+                        max_running_requests=4)
+        w = e.worker
+        _plain_steps_only(w.policy)
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, greedy(64, ignore_eos=True))
+        e.step()  # the prefill of all three (and their draft prefill)
+        for _ in range(9):
+            e.step()
+        reqs = [e.scheduler.reqs[str(i)] for i in range(3)]
+        assert [r.kv_len - r.draft_state.valid for r in reqs] == [9, 9, 9]
+        before = [dict(d.eager) for d in w.drafts]
+        w.catch_up(reqs)
+        if emulate:
+            assert w._fill_groups([9, 9, 9]) == [[0], [1], [2]]
+            assert [dict(d.eager) for d in w.drafts] == before  # every group replayed
+            assert all(d.extend_graphs is not None for d in w.drafts)
+        rpi = torch.tensor([r.req_pool_idx for r in reqs])
+        kv = []
+        for d in w.drafts:
+            r2t = d.binding.req_to_token.req_to_token
+            slots = torch.stack([r2t[r.req_pool_idx, : r.kv_len] for r in reqs])
+            kv.append([(d.binding.kv_pool.k[i][slots], d.binding.kv_pool.v[i][slots]) for i in range(len(d.binding.kv_pool.k))])
+        got.append((kv, w.state.drafts[rpi].clone()))
+    (kv0, d0), (kv1, d1) = got
+    assert torch.equal(d0, d1)
+    for a, b in zip(kv0, kv1):
+        for (ka, va), (kb, vb) in zip(a, b):
+            torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
+
+
 def test_constrained_batch_runs_full_depth() -> None:
     p = SpecPolicy("auto", 3)
     assert p.choose(4, constrained=True).depth == 3
