@@ -7,7 +7,8 @@ tokenizer under the run dir (so the daemon loads it without torch), connects to 
 dir) and publishes state events on a PUB socket. When the daemon dies (SIGKILL runs none of its
 cleanup), the engine gets SIGTERM from the kernel, exits, and removes the daemon's run dir on its way. The loop drains every
 pending message (a blocking poll when idle, non-blocking when there is work), runs one `engine.step()`
-and sends that step's deltas as one `Outputs` message. A bad request is answered with a
+and sends that step's deltas as one `Outputs` message. Once ready, it freezes what start-up built out
+of the garbage collector's reach and times every collection (`gc_watch`, in the engine's stats). A bad request is answered with a
 `RequestError` and never stops the loop; a step that raises fails the requests in flight, and three
 failures in a row end the process (the daemon restarts it). With tensor parallelism (`tp_size > 1`)
 this process is rank 0: its Engine starts and supervises the other ranks (`engine/service/ranks.py`),
@@ -49,6 +50,7 @@ from mleagle.engine.contract.protocol import (
     encode,
     peak_rss_mb,
 )
+from mleagle.engine.service.gc_watch import GcWatch, freeze
 from mleagle.engine.service.parent import die_with_parent
 
 log = logging.getLogger("mleagle.engine.service.process")
@@ -78,8 +80,16 @@ def build_engine(cfg: MleagleConfig) -> Any:
 class EngineLoop:
     """Owns the sockets and the request bookkeeping around one `Engine`."""
 
-    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, pump: EventPump | None = None) -> None:
+    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, pump: EventPump | None = None,
+                 gc_watch: GcWatch | None = None) -> None:
         self.engine = engine
+        self.gc_watch = gc_watch  # collections and their pauses, reported with the engine's stats
+        # Host seconds by phase of the loop (reported with the engine's stats): the engine's steps (its
+        # telemetry included, and counted apart too), sending their outputs, the event pump, messages
+        # (answering the daemon's pings, which carry these stats, counted apart too).
+        self.spent = {"step": 0.0, "telemetry": 0.0, "send_outputs": 0.0, "pump": 0.0, "messages": 0.0,
+                      "pong": 0.0}
+        self.steps = 0
         self.pump = pump
         self.telemetry = pump.telemetry if pump is not None else None
         self.pull = pull
@@ -117,7 +127,9 @@ class EngineLoop:
                 except Exception:
                     log.error("abort %s failed:\n%s", msg.rid, traceback.format_exc())
         elif isinstance(msg, Ping):
+            t0 = time.perf_counter()
             self.send(self.pong(msg.seq))
+            self.spent["pong"] += time.perf_counter() - t0
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -134,11 +146,18 @@ class EngineLoop:
                 stats = _jsonable(self.engine.stats())
             except Exception:
                 log.error("stats failed:\n%s", traceback.format_exc())
+        if isinstance(stats, dict):
+            if self.gc_watch is not None:
+                stats["gc"] = self.gc_watch.snapshot()
+            if self.telemetry is not None:
+                self.spent["telemetry"] = self.telemetry.spent_s
+            stats["loop"] = {"steps": self.steps, **{f"{k}_s": round(v, 4) for k, v in self.spent.items()}}
         rss = peak_rss_mb()
         return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats, max_rss_mb=rss)
 
     def step(self) -> int | None:
         """One scheduler step; returns an exit code when the engine is beyond saving."""
+        t0 = time.perf_counter()
         try:
             outs: list[RequestOutput] = self.engine.step()
             self.failures = 0
@@ -167,6 +186,7 @@ class EngineLoop:
                 self.send(Fatal(message=f"{self.failures} engine steps failed in a row; last: {err}"))
                 return 1
             return None
+        t1 = time.perf_counter()
         # Deltas of requests already failed above (their abort outputs) are not the daemon's business.
         outs = [o for o in outs if o.rid in self.live]
         for o in outs:
@@ -174,6 +194,9 @@ class EngineLoop:
                 self.live.discard(o.rid)
         if outs:
             self.send(Outputs(outputs=outs))
+        self.steps += 1
+        self.spent["step"] += t1 - t0
+        self.spent["send_outputs"] += time.perf_counter() - t1
         return None
 
     def run(self) -> int:
@@ -184,14 +207,19 @@ class EngineLoop:
             timeout = 0 if busy else IDLE_POLL_MS
             n = 0
             while n < MAX_DRAIN and poller.poll(timeout):
+                t0 = time.perf_counter()
                 if not self.handle(self.pull.recv()):
                     return 0
+                self.spent["messages"] += time.perf_counter() - t0
                 n += 1
                 timeout = 0
             if not busy and self.telemetry is not None:
                 self.telemetry.idle()  # status events (rates, uptime) stay current while idle
             if self.pump is not None:
+                t0 = time.perf_counter()
                 self.pump.pump()
+                if busy:
+                    self.spent["pump"] += time.perf_counter() - t0
             if not busy and os.getppid() != self.ppid:
                 log.warning("daemon gone; engine exiting")
                 return 0
@@ -365,10 +393,13 @@ def _main(args: argparse.Namespace) -> int:
         if "mleagle.engine.service.ranks" in sys.modules and sys.modules["mleagle.engine.service.ranks"].runtime():
             _hard_exit(args, 1)  # not a clean stop: the other ranks must fail (and be restarted) with us
         return 1
-    log.info("engine ready in %.1fs: %s, max context %d", time.perf_counter() - t0, ready.model_name, ready.max_context_len)
+    # What start-up built stays alive as long as the process: no full collection need walk it again.
+    frozen = freeze()
+    log.info("engine ready in %.1fs: %s, max context %d (%d objects frozen for the collector)",
+             time.perf_counter() - t0, ready.model_name, ready.max_context_len, frozen)
     push.send(encode(ready))
     try:
-        code = EngineLoop(engine, pull, push, pump).run()
+        code = EngineLoop(engine, pull, push, pump, GcWatch().install()).run()
     except zmq.Again:
         log.error("the daemon stopped reading outputs; engine exiting")
         code = 1

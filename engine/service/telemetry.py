@@ -42,6 +42,7 @@ class Telemetry:
         self.last_status = 0.0
         self._window: list[tuple[float, int, int]] = []  # (time, generated, prompt tokens) per step
         self.prompt_window = 0
+        self.spent_s = 0.0  # host seconds in these hooks (the engine process reports it with its loop's)
 
     @classmethod
     def attach(cls, engine: Engine, bus: EventBus) -> Telemetry:
@@ -56,10 +57,12 @@ class Telemetry:
         self.forwards[runner.name] = self.forwards.get(runner.name, 0) + 1
         if self.bus is None:
             return
+        t0 = time.perf_counter()
         # The per-rank counts this forward's gathers used: its own (eager), or by the same rule from the
         # live batch (a graph replay ran a padded copy); the rule is the same on every rank.
         self._logprob_meta(runner.name, runner.row_meta(batch), int(out.logits.shape[0]), batch.expected_logit_rows,
                            self.e.scheduler.num_steps)
+        self.spent_s += time.perf_counter() - t0
 
     def _logprob_meta(self, runner: str, m: RowMeta, rows: int, expected: int, step: int) -> None:
         self.bus.emit(ev.LogprobMetaEvent(
@@ -69,6 +72,13 @@ class Telemetry:
             layout=m.layout, agree=m.agree and rows == m.logit_rows == expected, step=step))
 
     def on_step(self, outputs: list[RequestOutput], report: StepReport) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._on_step(outputs, report)
+        finally:
+            self.spent_s += time.perf_counter() - t0
+
+    def _on_step(self, outputs: list[RequestOutput], report: StepReport) -> None:
         s = self.e.scheduler
         new_tokens = sum(len(o.token_ids) for o in outputs)
         self.gen_total += new_tokens

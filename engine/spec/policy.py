@@ -88,6 +88,10 @@ class PolicyStats:
     catch_ups: int = 0
     catch_up_positions: int = 0
     catch_up_s: float = 0.0
+    catch_up_max_s: float = 0.0
+    fills: int = 0  # prefill steps whose draft prefill ran (not put off), their host time, the longest
+    fill_s: float = 0.0
+    fill_max_s: float = 0.0
     choose_s: float = 0.0  # host time spent choosing
     choose_calls: int = 0
 
@@ -224,6 +228,10 @@ class SpecPolicy:
 
     def observe_fill(self, seconds: float) -> None:
         """The host time of one prefill step's draft prefill."""
+        st = self.stats
+        st.fills += 1
+        st.fill_s += seconds
+        st.fill_max_s = max(st.fill_max_s, seconds)
         self._report(0, FILL, seconds)
 
     def plain_now(self) -> bool:
@@ -262,6 +270,7 @@ class SpecPolicy:
 
     def observe_catch_up(self, seconds: float) -> None:
         """One catch-up's wall time."""
+        self.stats.catch_up_max_s = max(self.stats.catch_up_max_s, seconds)
         self._report(0, CATCH_UP, seconds)
 
     def _report(self, b: int, depth: int, seconds: float) -> None:

@@ -129,4 +129,11 @@ def test_real_daemon_lists_the_policy(srv: ServerProc) -> None:
     assert got[("mleagle:spec_policy_catch_up_seconds_total", lab)] == pytest.approx(snap["catch_up_s"])
     assert got[("mleagle:spec_policy_depth", lab)] == snap["depth"]
     assert ("mleagle:spec_policy_predicted_gain", lab) in got and ("mleagle:spec_policy_measured_gain", lab) in got
+    # The engine process's loop: its steps, and host time by phase; the collector frozen at start-up.
+    stats = srv.engine()["stats"]
+    loop, gcs = stats["loop"], stats["gc"]
+    assert loop["steps"] >= sum(snap["iterations_by_depth"]) and loop["step_s"] > 0
+    assert 0 < loop["telemetry_s"] < loop["step_s"] and loop["send_outputs_s"] > 0 and loop["pong_s"] > 0
+    assert gcs["frozen"] > 1000 and len(gcs["collections"]) == len(gcs["max_pause_ms"]) == 3
+    assert snap["fills"] > 0 and snap["fill_max_s"] * snap["fills"] >= snap["fill_s"] > 0
 
