@@ -204,6 +204,26 @@ def test_policy_switches_only_on_a_clear_gain_and_explores_the_runner_up() -> No
     assert p.choose(2).depth == 1
 
 
+def test_the_runner_up_is_not_explored_upwards_when_its_catch_up_costs_more_than_the_margin() -> None:
+    """Depth 0 runs, the full depth is a close runner-up: a look at it every 16 iterations costs a
+    catch-up; one of 2 iterations' time is over 5 % of 16 iterations, so it is never looked at, while a
+    cheap catch-up is. Looking down (the layers are current) never waits for a catch-up."""
+    def picks(catch_up: float) -> list[str]:
+        p = SpecPolicy("auto", 1, explore_every=16, margin=0.05, dwell=1)
+        _teach(p, 2, {0: 1.0, 1: 2.0}, acc=0.9)  # depth 1: 1.9 tokens for twice the cost, a close second
+        assert p.choose(2).depth == 0
+        p.catch_up_cost = catch_up
+        return [p.choose(2).reason for _ in range(32)]
+
+    assert "explore: runner-up" not in picks(2.0)
+    assert "explore: runner-up" in picks(0.5)
+    q = SpecPolicy("auto", 1, explore_every=16, margin=0.05, dwell=1)
+    _teach(q, 2, {0: 1.0, 1: 1.0}, acc=0.9)  # depth 1 best
+    q.acc, q.catch_up_cost = [0.1], 100.0  # still best (1.1 tokens at the same cost), depth 0 close
+    assert q.choose(2).depth == 1
+    assert "explore: runner-up" in [q.choose(2).reason for _ in range(32)]
+
+
 def test_a_switch_holds_for_its_dwell() -> None:
     """Right after a switch the depth holds for `dwell` visits, whatever noise says meanwhile."""
     p = SpecPolicy("auto", 2, dwell=8, margin=0.0)
