@@ -84,11 +84,10 @@ class EngineLoop:
                  gc_watch: GcWatch | None = None) -> None:
         self.engine = engine
         self.gc_watch = gc_watch  # collections and their pauses, reported with the engine's stats
-        # Host seconds by phase of the loop (reported with the engine's stats): the engine's steps (its
-        # telemetry included, and counted apart too), sending their outputs, the event pump, messages
-        # (answering the daemon's pings, which carry these stats, counted apart too).
-        self.spent = {"step": 0.0, "telemetry": 0.0, "send_outputs": 0.0, "pump": 0.0, "messages": 0.0,
-                      "pong": 0.0}
+        # Host seconds by phase of the loop (reported with the engine's stats): the engine's steps,
+        # sending their outputs, the event pump, messages (answering the daemon's pings, which carry these
+        # stats, counted apart too); the telemetry inside the steps is the telemetry's own count.
+        self.spent = {"step": 0.0, "send_outputs": 0.0, "pump": 0.0, "messages": 0.0, "pong": 0.0}
         self.steps = 0
         self.pump = pump
         self.telemetry = pump.telemetry if pump is not None else None
@@ -149,9 +148,8 @@ class EngineLoop:
         if isinstance(stats, dict):
             if self.gc_watch is not None:
                 stats["gc"] = self.gc_watch.snapshot()
-            if self.telemetry is not None:
-                self.spent["telemetry"] = self.telemetry.spent_s
-            stats["loop"] = {"steps": self.steps, **{f"{k}_s": round(v, 4) for k, v in self.spent.items()}}
+            spent = {**self.spent, "telemetry": self.telemetry.spent_s if self.telemetry is not None else 0.0}
+            stats["loop"] = {"steps": self.steps, **{f"{k}_s": round(v, 4) for k, v in spent.items()}}
         rss = peak_rss_mb()
         return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats, max_rss_mb=rss)
 

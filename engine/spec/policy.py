@@ -218,8 +218,8 @@ class SpecPolicy:
         # Costs and acceptance drift with the traffic: now and then try the runner-up again, where it
         # is close enough to overtake (a distant one would not, and a switch back costs a catch-up).
         # A look deeper than the layers are current pays a whole catch-up for one iteration: only where
-        # that is within the margin of the time between looks (on the H200 a served batch of 32 caught
-        # up in 22-32 ms, 10-15 iterations of its own).
+        # that is within the margin of the time between looks (on the H200 a served catch-up took 22-32 ms
+        # on average, 8-17 iterations of a batch of 32).
         look = second <= live or self.catch_up_cost <= self.margin * self.explore_every * self.cost[(b, best)]
         if look and self.visits[b] % self.explore_every == 0 and rates[second] * 1.25 > rates[best]:
             self.stats.explore_iterations += 1

@@ -36,7 +36,8 @@ the first S' drafts and runs the first S' layers. The layers that did not run fa
 `DraftState.valid` is where every layer's KV ends, `.depth` how many leading layers are current to
 kv_len. Under `auto` and `cycle` every target forward writes its hidden states into a pool with one
 row per KV slot (`hpool`), and an iteration deeper than a request's `depth` first **catches up**
-(`catch_up`): one batched draft extend over [valid, kv_len) from the pool, exactly what the draft
+(`catch_up`): a batched draft extend over [valid, kv_len) from the pool (in groups that fit the
+prefill graphs), exactly what the draft
 prefill does over a prompt, which also makes the first drafts. While the batch runs plain steps a
 finished prefill skips its draft prefill (the catch-up does it later). The prefix cache then keeps all
 of a request's target KV, and `draft_ok` (per slot, on the host) marks the cached slots whose draft KV
@@ -389,7 +390,8 @@ class SpecWorker(TargetWorker):
 
     def catch_up(self, reqs: list[Req], bonus: list[int] | torch.Tensor | None = None, measure: bool = True,
                  fresh: bool = False) -> None:
-        """Bring every draft layer of `reqs` current: one batched draft extend over the positions whose
+        """Bring every draft layer of `reqs` current: a batched draft extend (in groups that fit the
+        draft runners' prefill graphs, `_fill_groups`) over the positions whose
         draft KV is missing ([valid, kv_len): decoded by shallower iterations, or a prompt whose draft
         prefill was put off, or cached positions another request left without it), from the target
         hidden states in the pool, exactly as a draft prefill fills the draft pools (and, like one,
@@ -442,12 +444,11 @@ class SpecWorker(TargetWorker):
         g = self.drafts[0].extend_graphs
         if not isinstance(g, ExtendGraphRunner) or not g.buckets:
             return [list(range(len(lens)))]
-        cap_t, cap_n = g.buckets[-1], g.slots(g.buckets[-1])
         out: list[list[int]] = []
         cur: list[int] = []
         t = 0
         for i, n in enumerate(lens):
-            if cur and (t + n > cap_t or len(cur) >= cap_n):
+            if cur and g.bucket(t + n, len(cur) + 1) is None:  # the group with it would not replay
                 out.append(cur)
                 cur, t = [], 0
             cur.append(i)
