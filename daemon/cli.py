@@ -52,6 +52,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "max_context_len": ("engine", "max_context_len"),
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
     "prefill_graph_max_tokens": ("engine", "prefill_graph_max_tokens"),
+    "prefill_wait_steps": ("engine", "prefill_wait_steps"),
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
     "enable_prefix_cache": ("engine", "enable_prefix_cache"),
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="CUDA graphs for prefills of up to this many tokens (default 2048; 0: prefill eagerly)")
+    ap.add_argument("--prefill-wait-steps", type=int, default=None,
+                    help="steps an arrival may wait for others to share its prefill while requests decode "
+                         "(default: 4 on CUDA, 0 on the CPU)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

@@ -235,7 +235,8 @@ class Engine:
         self.scheduler = Scheduler(self.worker, self.mem, max_running=self.max_reqs,
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
-                                   stop_cut=self._stop_cut, overlap=self._overlap())
+                                   stop_cut=self._stop_cut, overlap=self._overlap(),
+                                   prefill_wait=e.resolved_prefill_wait(str(self.device)))
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
         self.observers: list[StepObserver] = []  # called after every step (the engine process's telemetry)
@@ -368,7 +369,7 @@ class Engine:
             self._warming(False)
         self.reset_prefix_cache()
         s, w = self.scheduler, self.worker
-        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = s.num_mixed = 0
+        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = s.num_mixed = s.num_held = 0
         w.reset_counters()
         if self.control is not None:  # the speculation policy forgets too, on every rank alike
             self.control.submit(("reset_counters",))
@@ -409,7 +410,8 @@ class Engine:
                 "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None,
                 "prefix_cache": self.prefix_cache_stats(),
                 "spec_policy": policy.snapshot() if policy is not None else None,
-                "mixed_steps": sch.num_mixed, "graphs": self.graph_counts()}
+                "mixed_steps": sch.num_mixed, "held_prefill_steps": sch.num_held,
+                "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts()}
 
     def graph_counts(self) -> dict[str, Any]:
         """Per runner: graph replays (decode/verify/draft-extend shapes, and prefill by token bucket) and

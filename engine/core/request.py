@@ -52,6 +52,7 @@ class Req:
     # tensor-parallel rank (which creates the same requests in the same order) picks the same victim.
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))
     first_token_time: float | None = None
+    queued_step: int = 0  # the scheduler's step count when it joined the waiting queue (`prefill_wait`)
     spec: SpecStats | None = None
     stop_state: Any = None  # the stop-string matcher's per-request state
     draft_state: Any = None  # the speculative worker's per-request state (prefill hidden states)

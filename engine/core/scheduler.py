@@ -72,7 +72,7 @@ DECODE_GROW = 32
 class Scheduler:
     def __init__(self, worker: TargetWorker, mem: MemoryManager, *, max_running: int, max_context: int,
                  chunk_size: int, max_prefill_tokens: int, eos_ids: set[int],
-                 stop_cut: StopCutFn | None = None, overlap: bool = False):
+                 stop_cut: StopCutFn | None = None, overlap: bool = False, prefill_wait: int = 0):
         self.worker, self.mem = worker, mem
         self.max_running, self.max_context = max_running, max_context
         self.chunk_size, self.max_prefill_tokens = chunk_size, max_prefill_tokens
@@ -87,6 +87,8 @@ class Scheduler:
         self.report = StepReport()  # the last step's
         self.pending: list[RequestOutput] = []  # deltas produced outside the step's forward (errors)
         self.overlap = overlap
+        self.prefill_wait = prefill_wait  # steps an arrival may wait to share its prefill (`_hold_arrivals`)
+        self.num_held = 0  # steps that held arrivals back so (counted for the engine's stats)
         self.inflight: Pending | None = None  # a decode step launched and not yet finished
         # Prefix cache, vLLM's counters: prompt tokens looked up and found, at first admission.
         self.prefix_queries = self.prefix_hits = 0
@@ -94,6 +96,7 @@ class Scheduler:
     # --- requests in and out ---------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.reqs[req.rid] = req
+        req.queued_step = self.num_steps
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
@@ -162,7 +165,7 @@ class Scheduler:
         else:
             outputs += self._abort(aborts)
             aborts = []
-            batch = self._schedule_prefill()
+            batch = None if self._hold_arrivals() else self._schedule_prefill()
             if batch:
                 reqs, chunks = batch
                 results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
@@ -217,11 +220,29 @@ class Scheduler:
     def _constrained(self) -> bool:
         return any(r.constraint is not None for r in self.running)
 
+    def _hold_arrivals(self) -> bool:
+        """Should the waiting requests wait a little for others to share their prefill? A prefill step
+        costs the decoding requests mostly a fixed amount (the graph launch, the first tokens, the
+        draft layers' fill), whatever it carries, so under a steady arrival rate fewer, larger prefills
+        stall them less. The head of the queue waits at most `prefill_wait` steps; nobody waits when
+        nothing decodes, while a prompt is mid-prefill (its chunks go on), or once the waiting would fill
+        every free request slot. Steps, not time: every tensor-parallel rank decides alike."""
+        if self.prefill_wait <= 0 or not self.waiting:
+            return False
+        if not any(not r.prefilling for r in self.running) or any(r.prefilling for r in self.running):
+            return False
+        if len(self.waiting) >= self.max_running - len(self.running):
+            return False
+        if self.num_steps - self.waiting[0].queued_step >= self.prefill_wait:
+            return False
+        self.num_held += 1
+        return True
+
     def _want_prefill(self) -> bool:
         """Would the normal path schedule a prefill now (prefill goes first)?"""
         if any(r.prefilling for r in self.running):
             return True
-        if not self.waiting or len(self.running) >= self.max_running:
+        if not self.waiting or len(self.running) >= self.max_running or self._hold_arrivals():
             return False
         head = self.waiting[0]
         first = min(head.prefill_len - head.kv_len, self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens)
@@ -318,6 +339,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
+        req.queued_step = -self.prefill_wait  # a resume does not wait for company
         self.waiting.appendleft(req)
 
     # --- after a forward -----------------------------------------------------------------------

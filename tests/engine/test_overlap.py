@@ -4,6 +4,7 @@ while a step is in flight end exactly where they should, and every pool comes ba
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -139,3 +140,37 @@ def test_mixed_steps_leave_the_policy_its_measurements() -> None:
     # ran beside, as before, left about 60 %).
     assert sum(p.samples.values()) >= 0.9 * sum(p.stats.iterations_by_depth) and all(c > 0 for c in p.cost.values())
     assert ov.scheduler.inflight is None and all_free(ov)
+
+
+@pytest.mark.parametrize("draft", ["none", "random:3"])
+def test_arrivals_wait_a_few_steps_to_share_one_prefill(draft: str) -> None:
+    """With `prefill_wait_steps` an arrival while others decode waits up to that many steps for company:
+    one arrival per step then makes one prefill per few steps, each carrying several requests; the first
+    request (nothing decodes) and the head of the queue never wait longer; outputs equal the engine that
+    prefills every arrival at once, and nothing is left behind."""
+    cfg = tiny_cfg()
+    over = dict(spec_policy="always", graph_emulate=True, prefill_graph_max_tokens=64)
+    ref = tiny_engine(draft, cfg=cfg, **over)
+    ref.scheduler.overlap = True
+    e = tiny_engine(draft, cfg=cfg, prefill_wait_steps=3, **over)
+    e.scheduler.overlap = True
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(2 + i % 4)] for i in range(13)]
+    sps = [greedy(40 - i) for i in range(len(prompts))]
+    prefills: list[tuple[int, int]] = []  # (step, requests prefilled)
+    e.observers.append(lambda outs, rep: rep.mode in ("EXTEND", "MIXED") and prefills.append(
+        (rep.step, len(rep.forwards[-1].rids))))
+    want, _ = _staggered(ref, prompts, sps, every=1)
+    got, _ = _staggered(e, prompts, sps, every=1)
+    assert got == want
+    assert prefills[0] == (0, 1)  # nothing decoded yet: no wait
+    # Twelve later arrivals, one per step, in prefills of three or four (never a longer wait than 3 steps).
+    assert [n for _, n in prefills[1:]] and all(n >= 3 for _, n in prefills[1:-1]), prefills
+    assert len(prefills) <= 5 and all(b - a <= 4 for (a, _), (b, _) in itertools.pairwise(prefills)), prefills
+    st = e.stats()
+    assert st["prefill_wait_steps"] == 3 and st["held_prefill_steps"] >= 8
+    assert e.scheduler.inflight is None and all_free(e)
+
+
+def test_the_prefill_wait_defaults_to_none_on_the_cpu() -> None:
+    e = tiny_engine("none", cfg=tiny_cfg())
+    assert e.scheduler.prefill_wait == 0 and e.stats()["prefill_wait_steps"] == 0
