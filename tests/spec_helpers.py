@@ -384,3 +384,58 @@ def check_extend_buckets(e: Engine, rtol: float = 1e-4) -> int:
     while e.has_work():
         e.step()
     return checked
+
+
+def check_fill_buckets(e: Engine) -> int:
+    """The draft fill as one graph (every draft layer, the id windows, the greedy drafts: `FillGraph`)
+    against the per-layer path (each layer's own prefill graph) on the same inputs, at every token
+    bucket: a ragged fill one token short of the bucket over requests that already hold KV where it
+    starts (a catch-up's shape). Every layer's KV at the filled slots and the drafts agree (the drafts
+    exactly). Returns the buckets checked; the requests are aborted afterwards."""
+    w = e.worker
+    g = w.fill_graph
+    assert g is not None, e.graph_report
+    e.scheduler.overlap = False  # nothing in flight while the fills run
+    for i in range(3):
+        e.add_request(f"f{i}", [(11 * i + j) % e.arch.vocab_size for j in range(5 + 3 * i)], greedy(200))
+    while any(r.prefilling for r in e.scheduler.running) or e.scheduler.waiting:
+        e.step()
+    reqs = list(e.scheduler.running[:3])
+    hidden = w._layer(0).hidden_in_size
+    checked = 0
+    for t in g.buckets:
+        n = t - 1
+        bs = min(len(reqs), g.slots(t), n)
+        lens = [n // bs] * bs
+        lens[-1] += n - sum(lens)
+        rs = reqs[:bs]
+        for r, k in zip(rs, lens):
+            assert e.mem.ensure(r, r.kv_len + k)
+            r.output_ids += [(7 * j + 3) % e.arch.vocab_size for j in range(k)]  # the windows' tokens
+        starts = [r.kv_len - 1 for r in rs]
+        th: torch.Tensor | None = torch.randn(n, hidden, device=e.device, dtype=w.hidden_dtype)
+        rpi = w.rpi_of(rs)
+        slots = torch.cat([w.r2t[r.req_pool_idx, s : s + k] for r, s, k in zip(rs, starts, lens)])
+        if w.hpool is not None:  # a catch-up reads the rows' hidden states from the pool at their slots
+            w.hpool[slots] = th
+            th = None
+        got = []
+        for graph in (g, None):
+            w.fill_graph = graph
+            w._draft_fill(rs, starts, lens, w.state.last_tok[rpi], th, last_tok=True)
+            got.append((w.state.drafts[rpi].clone(),
+                        [(d.binding.kv_pool.k[0][slots].clone(), d.binding.kv_pool.v[0][slots].clone()) for d in w.drafts]))
+        w.fill_graph = g
+        (d0, kv0), (d1, kv1) = got
+        assert g.stats.replays[t] >= 1, t
+        assert torch.equal(d0, d1), t
+        for (k0, v0), (k1, v1) in zip(kv0, kv1):
+            assert torch.allclose(k0, k1, rtol=1e-4, atol=1e-4) and torch.allclose(v0, v1, rtol=1e-4, atol=1e-4), t
+        for r, k in zip(rs, lens):
+            del r.output_ids[len(r.output_ids) - k :]
+        checked += 1
+    for r in reqs:
+        e.abort(r.rid)
+    while e.has_work():
+        e.step()
+    return checked

@@ -426,6 +426,9 @@ class Engine:
         for name, gs in (("iteration", self.worker.iter_graphs), ("masked", self.worker.masked_graphs)):
             if gs:
                 out[name] = {"replays": sum(sum(g.stats.replays.values()) for g in gs.values())}
+        fill = getattr(self.worker, "fill_graph", None)
+        if fill is not None:  # the draft layers' fills, all layers in one replay, by token bucket
+            out["draft_fill"] = {"replays": dict(sorted(fill.stats.replays.items()))}
         return out
 
     def prefix_cache_stats(self) -> dict[str, Any] | None:

@@ -85,13 +85,14 @@ from mleagle.engine.executor.results import (
 )
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import accepted, rotate
-from mleagle.engine.executor.worker import TargetWorker
+from mleagle.engine.executor.worker import GraphSettings, TargetWorker
 from mleagle.engine.memory.manager import page_slots
 from mleagle.engine.memory.zeros import lazy_zeros
 from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
 from mleagle.engine.spec.draft_model import MTPLayer
+from mleagle.engine.spec.fill_graph import FillGraph, heads_of
 from mleagle.engine.spec.policy import SpecPolicy
 
 
@@ -152,6 +153,7 @@ class SpecWorker(TargetWorker):
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
         # Prefill spans not read yet: (timer, whether its last span is a draft prefill).
         self._prefill_timers: list[tuple[Timer, bool]] = []
+        self.fill_graph: FillGraph | None = None  # every draft layer's fill in one replay (`_capture_prefill`)
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -193,11 +195,36 @@ class SpecWorker(TargetWorker):
             return ForwardMode.TARGET_VERIFY, self.width, False
         return ForwardMode.DRAFT_EXTEND, self.width, True
 
+    def _capture_prefill(self, s: GraphSettings, pool: object | None, cuda: bool) -> list[str]:
+        """Each runner's prefill graphs, then the draft fill of all S layers as one graph per token
+        bucket (`FillGraph`), where every draft layer has prefill graphs to follow."""
+        lines = super()._capture_prefill(s, pool, cuda)
+        like = self.drafts[0].extend_graphs
+        if not self.drafting or not isinstance(like, ExtendGraphRunner) or any(
+                r.extend_graphs is None for r in self.drafts):
+            return lines
+        g = FillGraph(self.drafts, heads_of([r.model for r in self.drafts]), like, self.state, self.r2t,
+                      chain=self.chain, hpool=self.hpool, hidden_size=self._layer(0).hidden_in_size,
+                      dtype=self.hidden_dtype, emulate=not cuda, pool=pool)
+        why = self._try_capture("the draft fill", g.capture, s)
+        if why is not None:
+            lines.append(f"draft fill: per layer ({why})")
+            return lines
+        self.fill_graph = g
+        lines.append(f"draft fill ({self.steps} layers in one graph): tokens {g.buckets[0]}..{g.buckets[-1]}, "
+                     f"{g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
+        return lines
+
     @property
     def iteration_name(self) -> str:
         if self.depth == 0:
             return "decode + sample (depth 0)"
         return f"verify + accept + {self.depth} draft steps"
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The dtype of the target hidden states the first draft layer reads."""
+        return next(self._layer(0).parameters()).dtype
 
     def _layer(self, k: int) -> MTPLayer:
         """Draft step k's layer (its runner's model)."""
@@ -244,7 +271,7 @@ class SpecWorker(TargetWorker):
             bonus = self.state.last_tok[self.rpi_of([reqs[i] for i in done])]
             self.policy.note_fill()
             if not pooled:
-                self._draft_prefill([reqs[i] for i in done], bonus)
+                self._draft_prefill([reqs[i] for i in done], bonus, last_tok=True)
             elif not self.policy.plain_now():  # the draft layers fill the positions now, from the pool
                 t0 = time.perf_counter()
                 self.catch_up([reqs[i] for i in done], bonus, measure=False, fresh=True)
@@ -259,7 +286,7 @@ class SpecWorker(TargetWorker):
         self._prefill_timers.append((timer, bool(done)))
         return results
 
-    def _draft_prefill(self, reqs: list[Req], bonus: list[int] | torch.Tensor) -> None:
+    def _draft_prefill(self, reqs: list[Req], bonus: list[int] | torch.Tensor, last_tok: bool = False) -> None:
         """Each draft runner over positions [start, kv_len) of each request (start = the cached prefix
         the draft pools already hold, else 0): layer k at position p reads t_{p+k+1}, so its ids are
         the sequence shifted by k+1 (bonus and fresh drafts at the end)."""
@@ -267,16 +294,31 @@ class SpecWorker(TargetWorker):
         lens = [r.kv_len - st for r, st in zip(reqs, starts)]
         target_hidden = torch.cat([torch.cat(r.draft_state.hidden_stash) for r in reqs])
         self._after_draft_prefill(reqs, lens)
-        self._draft_fill(reqs, starts, lens, bonus, target_hidden)
+        self._draft_fill(reqs, starts, lens, bonus, target_hidden, last_tok)
 
     def _draft_fill(self, reqs: list[Req], starts: list[int], lens: list[int], bonus: list[int] | torch.Tensor,
-                    target_hidden: torch.Tensor) -> None:
+                    target_hidden: torch.Tensor | None, last_tok: bool = False) -> None:
         """Every draft layer over positions [start, start+len) of each request, from the target's hidden
-        states there (`target_hidden`, the requests' rows in order), then the first drafts: a prefill's
-        or a catch-up's; `bonus` is each request's token at start+len (host values, or on the device
-        when the host does not have them yet). Afterwards every layer's KV is current to start+len."""
+        states there (`target_hidden`, the requests' rows in order; None: the rows' slots in the
+        hidden-state pool), then the first drafts: a prefill's or a catch-up's; `bonus` is each
+        request's token at start+len (host values, or on the device when the host does not have them
+        yet), `last_tok` says it is the slot state's last token (the fill graph reads it there).
+        Afterwards every layer's KV is current to start+len."""
         for r, st, n in zip(reqs, starts, lens):
             r.draft_state.valid, r.draft_state.depth = st + n, self.steps
+        g = self.fill_graph
+        # (The graph reads a catch-up's hidden states from the pool itself, and a prefill's from its stash.)
+        if g is not None and last_tok and (target_hidden is None) == (self.hpool is not None) and g.fits(lens) is not None:
+            flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
+            if flags.all_greedy and not any(r.constraint is not None for r in reqs):
+                g.run([cast(int, r.req_pool_idx) for r in reqs], starts, lens,
+                      [r.fill_ids[st : st + n] for r, st, n in zip(reqs, starts, lens)], target_hidden)
+                return
+        if target_hidden is None:
+            assert self.hpool is not None
+            rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(lens))  # type: ignore[misc]
+            pos = torch.cat([torch.arange(v, v + n) for v, n in zip(starts, lens)])
+            target_hidden = self.hpool[self.r2t[rows.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)]]
         view = build_batch(ForwardMode.EXTEND, input_ids=[0] * sum(lens), req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
                            prefix_lens=starts, extend_lens=lens, req_to_token=self.r2t, device=self.device,
                            rids=tuple(r.rid for r in reqs))
@@ -401,6 +443,9 @@ class SpecWorker(TargetWorker):
         if self.inflight and not fresh:
             raise RuntimeError("a draft catch-up needs the host's KV lengths: finish the iteration in flight first")
         assert self.hpool is not None
+        # The default bonus, each request's last output, is the slot state's last token (with no
+        # iteration in flight, or for a fresh request's first token).
+        last_tok = bonus is None or isinstance(bonus, torch.Tensor)
         nxt = bonus if bonus is not None else [r.fill_ids[r.kv_len] for r in reqs]
         todo = [i for i, r in enumerate(reqs) if r.kv_len > r.draft_state.valid]
         for r in reqs:
@@ -419,10 +464,7 @@ class SpecWorker(TargetWorker):
                 b = [nxt[i] for i in idx]
             starts = [r.draft_state.valid for r in rs]
             lens = [r.kv_len - v for r, v in zip(rs, starts)]
-            rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in rs]), torch.tensor(lens))  # type: ignore[misc]
-            pos = torch.cat([torch.arange(v, v + n) for v, n in zip(starts, lens)])
-            slots = self.r2t[rows.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True)]
-            self._draft_fill(rs, starts, lens, b, self.hpool[slots])
+            self._draft_fill(rs, starts, lens, b, None, last_tok)
             total += sum(lens)
         if not measure:  # a put-off draft prefill, not a switch's cost
             return
@@ -706,6 +748,8 @@ class SpecWorker(TargetWorker):
 
     def reset_counters(self) -> None:
         super().reset_counters()
+        if self.fill_graph is not None:
+            self.fill_graph.stats.replays.clear()
         self.stats = SpecStats(accepted_per_depth=[0] * self.steps)
         self.boundary_kv_stale_positions = 0
         self.policy.reset()

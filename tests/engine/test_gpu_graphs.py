@@ -16,7 +16,15 @@ import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import Engine
-from tests.spec_helpers import all_free, chaos, check_extend_buckets, greedy, run, tiny_cfg
+from tests.spec_helpers import (
+    all_free,
+    chaos,
+    check_extend_buckets,
+    check_fill_buckets,
+    greedy,
+    run,
+    tiny_cfg,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -199,3 +207,10 @@ def test_grammar_masked_graph_equals_eager(draft: str, policy: str) -> None:
     assert sum(e.worker.masked_graphs[0].stats.replays.values()) > 0
     assert e.worker.masked_split is not None and sum(e.worker.masked_split[1].stats.replays.values()) > 0
     assert all_free(e)
+
+
+
+def test_the_draft_fill_graph_equals_the_per_layer_fill_at_every_token_bucket() -> None:
+    """The draft fill as one graph against the per-layer path, every token bucket up to 512, float32."""
+    e = _engine("random:3", prefill_graph_max_tokens=512)
+    assert check_fill_buckets(e) == 6

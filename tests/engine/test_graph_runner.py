@@ -25,7 +25,15 @@ from mleagle.engine.executor.forward_batch import BindingError, ForwardMode, row
 from mleagle.engine.executor.graph_runner import GraphRunner
 from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.slot_state import PLAIN
-from tests.spec_helpers import all_free, check_extend_buckets, greedy, run, tiny_cfg, tiny_engine
+from tests.spec_helpers import (
+    all_free,
+    check_extend_buckets,
+    check_fill_buckets,
+    greedy,
+    run,
+    tiny_cfg,
+    tiny_engine,
+)
 
 PROMPTS = [[5, 17, 30, 2], [9, 9, 1], list(range(40, 52)), [3], [100, 7, 7, 7, 8]]
 
@@ -307,3 +315,46 @@ def test_chunked_prefill_on_prefill_graphs_fills_the_draft_pools_as_eager(policy
     for da, db in zip(es[0].runners[1:], es[1].runners[1:]):
         for ka, kb in zip(da.binding.kv_pool.k, db.binding.kv_pool.k):
             assert torch.allclose(ka[slots], kb[slots], atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["always", "cycle"])
+def test_the_draft_fill_graph_fills_every_layer_as_the_per_layer_path(policy: str) -> None:
+    """The draft fill as one (emulated) graph per token bucket — every layer's EXTEND, the id windows and
+    the greedy drafts from one packed upload — against the same engine filling layer by layer: a batch
+    of prompts (one hitting another's cached prefix), then, under `cycle`, catch-ups after plain steps.
+    Every draft pool's KV, every draft and every output are equal, and the fills replayed the graph;
+    a sampled request keeps the per-layer path."""
+    prompts = [[(11 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(4)]
+    prompts.append(prompts[3][:14] + [7, 8, 9])  # a prefix-cache hit past the prefix margin
+    es = [tiny_engine("random:3", cfg=tiny_cfg(), spec_policy=policy, graph_emulate=True, prefill_graph_max_tokens=64)
+          for _ in range(2)]
+    es[1].worker.fill_graph = None  # the reference: the per-layer path, on the same prefill graphs
+    assert es[0].worker.fill_graph is not None
+    outs = []
+    for e in es:
+        outs.append([c.token_ids for c in e.generate(prompts[:4], greedy(12))])
+        got: dict[str, list[int]] = {"hit": [], "sampled": []}
+        for rid, p, sp in (("hit", prompts[4], greedy(9)),
+                           ("sampled", prompts[0], SamplingParams(temperature=0.9, seed=3, max_new_tokens=5))):
+            e.add_request(rid, p, sp)
+            while e.has_work():
+                for o in e.step():
+                    got[o.rid] += o.token_ids
+        outs.append(got)
+    assert outs[0] == outs[2] and outs[1] == outs[3]
+    fills = es[0].stats()["graphs"]["draft_fill"]["replays"]
+    assert sum(fills.values()) >= 2, fills
+    for da, db in zip(es[0].runners[1:], es[1].runners[1:]):  # every slot but the pad slot (0)
+        for ka, kb in zip([*da.binding.kv_pool.k, *da.binding.kv_pool.v], [*db.binding.kv_pool.k, *db.binding.kv_pool.v]):
+            assert torch.allclose(ka[1:], kb[1:], atol=1e-5)
+    assert all_free(es[0])
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_the_emulated_draft_fill_graph_equals_the_per_layer_fill_at_every_token_bucket(policy: str) -> None:
+    """`check_fill_buckets` on the CPU: the fill graph's packing, padding and id windows (emulated
+    replays run its body on the same buffers) against the per-layer path, with the prefill's stashed
+    hidden states (`always`) and with the hidden-state pool (`auto`, whose input rows the caller passes)."""
+    e = tiny_engine("random:3", cfg=tiny_cfg(), spec_policy=policy, graph_emulate=True, prefill_graph_max_tokens=128)
+    assert check_fill_buckets(e) == 4
+    assert all_free(e)
