@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                     help="also profile this many steps of the draft's delay-1 run with torch.profiler and print "
                          "the host functions and CUDA kernels by total time (prefill and mixed steps included)")
+    ap.add_argument("--prefill-wait", default="0", metavar="N[,N...]",
+                    help="engine prefill_wait_steps values to run each configuration with (default 0)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = model_config(dev == "cpu")
@@ -158,15 +160,18 @@ def main() -> None:
     for name in ("catch_up", "prefill", "launch", "finish", "_draft_fill"):
         time_method(SW.SpecWorker, name)
     rows = []
-    for draft, policy in [("none", "always"), ("random:3", "always"), ("random:3", "auto")]:
-        e = Engine(cfg, device=dev, draft=draft, spec_policy=policy, max_running_requests=a.concurrency, seed=0)
+    waits = [int(x) for x in a.prefill_wait.split(",")]
+    for (draft, policy), wait in [(c, w) for c in [("none", "always"), ("random:3", "always"), ("random:3", "auto")]
+                                  for w in waits]:
+        e = Engine(cfg, device=dev, draft=draft, spec_policy=policy, max_running_requests=a.concurrency, seed=0,
+                   prefill_wait_steps=wait)
         run(e, prompts, sps, a.concurrency, 0, False)  # warms every shape
         for delay, syncs in ((0, False), (1, True), (2, False), (1, False)):
             r = run(e, prompts, sps, a.concurrency, delay, syncs)
-            r.update(draft=draft, policy=policy, sync_debug=syncs)
+            r.update(draft=draft, policy=policy, sync_debug=syncs, prefill_wait=wait)
             rows.append(r)
             print(json.dumps(r), flush=True)
-        if a.torch_profile and draft != "none" and policy == "always":
+        if a.torch_profile and draft != "none" and policy == "always" and wait == waits[-1]:
             profile_steps(e, prompts, sps, a.concurrency, a.torch_profile)
         del e
         if dev == "cuda":
