@@ -335,6 +335,18 @@ threads = 1
 """
 
 
+def _ragged(e: Engine, reqs: list[Any], n: int, slots: int) -> tuple[list[Any], list[int]]:
+    """n tokens split over as many of `reqs` as the bucket's slots allow (the last takes the rest), each
+    request given KV room for its share past what it holds: (the requests, their lengths)."""
+    bs = min(len(reqs), slots, n)
+    lens = [n // bs] * bs
+    lens[-1] += n - sum(lens)
+    rs = reqs[:bs]
+    for r, k in zip(rs, lens):
+        assert e.mem.ensure(r, r.kv_len + k)
+    return rs, lens
+
+
 def check_extend_buckets(e: Engine, rtol: float = 1e-4) -> int:
     """Every runner's prefill graphs, every token bucket: a ragged live batch one token short of the
     bucket (so padding tokens and padding requests are both there), each request extending past KV it
@@ -356,12 +368,7 @@ def check_extend_buckets(e: Engine, rtol: float = 1e-4) -> int:
         assert g is not None, e.graph_report
         for t in g.buckets:
             n = t - 1 if t > 1 else 1
-            bs = min(len(reqs), g.slots(t), n)
-            lens = [n // bs] * bs
-            lens[-1] += n - sum(lens)
-            rs = reqs[:bs]
-            for r, k in zip(rs, lens):
-                assert e.mem.ensure(r, r.kv_len + k)
+            rs, lens = _ragged(e, reqs, n, g.slots(t))
             ids = torch.randint(0, e.arch.vocab_size, (n,))
             b = build_batch(ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in rs],
                             prefix_lens=[r.kv_len for r in rs], extend_lens=lens, req_to_token=e.worker.r2t, device=dev)
@@ -369,7 +376,7 @@ def check_extend_buckets(e: Engine, rtol: float = 1e-4) -> int:
             if hidden:
                 b = dataclasses.replace(b, hidden_in=torch.randn(n, hidden, device=dev, dtype=e.dtype))
             b = runner.bind(b)
-            assert g.fits(b) is None and g.bucket(n, bs) == t, (runner.name, t, g.fits(b))
+            assert g.fits(b) is None and g.bucket(n, len(rs)) == t, (runner.name, t, g.fits(b))
             rep = runner.forward(b)
             assert rep.graph_bs == t
             got_l, got_h = rep.logits.clone(), rep.hidden.clone()
@@ -405,12 +412,8 @@ def check_fill_buckets(e: Engine) -> int:
     checked = 0
     for t in g.buckets:
         n = t - 1
-        bs = min(len(reqs), g.slots(t), n)
-        lens = [n // bs] * bs
-        lens[-1] += n - sum(lens)
-        rs = reqs[:bs]
+        rs, lens = _ragged(e, reqs, n, g.slots(t))
         for r, k in zip(rs, lens):
-            assert e.mem.ensure(r, r.kv_len + k)
             r.output_ids += [(7 * j + 3) % e.arch.vocab_size for j in range(k)]  # the windows' tokens
         starts = [r.kv_len - 1 for r in rs]
         th: torch.Tensor | None = torch.randn(n, hidden, device=e.device, dtype=w.hidden_dtype)

@@ -22,8 +22,9 @@ DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The most draft steps an engine runs; slot maps and the RoPE table reach this far past the context.
 MAX_SPEC_STEPS = 16
-# Steps an arrival may wait to share a prefill on CUDA (`EngineConfig.prefill_wait_steps`; measured in
-# results/gpu/prefill_wait/README.md).
+# Steps an arrival may wait to share a prefill on CUDA (`EngineConfig.prefill_wait_steps`). Not yet
+# chosen from a served measurement: the offline arrival profile in results/gpu/fill_graph/ halves the
+# prefill steps with it; the served TTFT against tok/s trade is still to be measured.
 PREFILL_WAIT_CUDA = 4
 
 
@@ -148,7 +149,7 @@ class EngineConfig(BaseModel):
     # slot): a prefill step's host cost is mostly fixed (its graph launch, the draft layers' fill), so
     # fewer, larger prefills cost the running streams less. Counted in steps, not time, so that every
     # tensor-parallel rank decides alike. None: `PREFILL_WAIT_CUDA` on CUDA, 0 on the CPU (whose
-    # prefill cost is per token). See docs/architecture.md, "Mixed steps".
+    # prefill cost is per token). See the README, "Mixed steps".
     prefill_wait_steps: int | None = Field(None, ge=0, le=64)
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True

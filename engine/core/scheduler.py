@@ -229,7 +229,7 @@ class Scheduler:
         every free request slot. Steps, not time: every tensor-parallel rank decides alike."""
         if self.prefill_wait <= 0 or not self.waiting:
             return False
-        if not any(not r.prefilling for r in self.running) or any(r.prefilling for r in self.running):
+        if not self.running or any(r.prefilling for r in self.running):  # nothing decodes, or chunks go on
             return False
         if len(self.waiting) >= self.max_running - len(self.running):
             return False

@@ -36,22 +36,23 @@ from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardMode, Row
 from mleagle.engine.executor.runner import ModelRunner
 from mleagle.engine.executor.slot_state import SlotState
 
-# The packed index array's fields, in order, with their length in units of (T tokens, R request slots,
-# constant): `seq` holds T+R token-window entries (each request's tokens and its bonus) plus room for
-# the reads past the last window that padding rows make.
-_FIELDS: tuple[tuple[str, int, int, int], ...] = (
-    ("seq", 1, 1, 0),  # + steps + 1, see `_len`
-    ("row_base", 1, 0, 0),  # index in seq of the row's own token t_p
-    ("room", 1, 0, 0),  # steps from t_p to the request's bonus (t_{p+room} is the bonus)
-    ("row_req", 1, 0, 0),  # the row's request slot (for the drafts of earlier layers)
-    ("row_rpi", 1, 0, 0),  # the row's request-to-token row (the pad row for padding)
-    ("positions", 1, 0, 0),
-    ("bonus_at", 0, 1, 0),  # index in seq of each request's bonus (a spare entry for padding)
-    ("rpi", 0, 1, 0),
-    ("seq_lens", 0, 1, 0),  # KV length after the fill
-    ("q_start", 0, 1, 0),  # first query row
-    ("q_lens", 0, 1, 0),  # query rows (0 for padding)
-    ("logit_rows", 0, 1, 0),  # each request's last row (row 0 for padding)
+# The packed index array's fields after `seq` (the token windows: each request's tokens and its bonus,
+# T+R entries, plus S+2 of room for the reads of the last window's rows and the padding's spare bonus
+# entry), in order: one entry per token row, then one per request slot.
+_PER_TOKEN = (
+    "row_base",  # index in seq of the row's own token t_p
+    "room",  # steps from t_p to the request's bonus (t_{p+room} is the bonus)
+    "row_req",  # the row's request slot (for the drafts of earlier layers)
+    "row_rpi",  # the row's request-to-token row (the pad row for padding)
+    "positions",
+)
+_PER_SLOT = (
+    "bonus_at",  # index in seq of each request's bonus (the spare entry for padding)
+    "rpi",
+    "seq_lens",  # KV length after the fill
+    "q_start",  # first query row
+    "q_lens",  # query rows (0 for padding)
+    "logit_rows",  # each request's last row (row 0 for padding)
 )
 
 
@@ -74,10 +75,11 @@ class FillGraph:
         self.r_max = self.slots(self.t_max)
         dev = r2t.device
         self.device = dev
+        sizes = {"seq": self.t_max + self.r_max + self.steps + 2, **dict.fromkeys(_PER_TOKEN, self.t_max),
+                 **dict.fromkeys(_PER_SLOT, self.r_max)}
         self._offs: dict[str, tuple[int, int]] = {}
         o = 0
-        for name, nt, nr, nc in _FIELDS:
-            n = nt * self.t_max + nr * self.r_max + nc + (self.steps + 2 if name == "seq" else 0)
+        for name, n in sizes.items():
             self._offs[name] = (o, n)
             o += n
         self.packed = torch.zeros(o, dtype=torch.int64, device=dev)
@@ -219,9 +221,3 @@ class FillGraph:
             cap.graph.replay()
         self.stats.replays[t] += 1
         return t
-
-
-def heads_of(layers: Sequence[object]) -> list[torch.Tensor | None]:
-    """Each draft layer's map from its vocabulary to the target's (None: the same vocabulary)."""
-    return [getattr(getattr(m, "head", None), "vocab_ids", None) for m in layers]
-

@@ -92,7 +92,7 @@ from mleagle.engine.sampling import rng
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, probs_from_logits
 from mleagle.engine.sampling.sampler import draw, logprobs
 from mleagle.engine.spec.draft_model import MTPLayer
-from mleagle.engine.spec.fill_graph import FillGraph, heads_of
+from mleagle.engine.spec.fill_graph import FillGraph
 from mleagle.engine.spec.policy import SpecPolicy
 
 
@@ -141,8 +141,7 @@ class SpecWorker(TargetWorker):
         self.draft_ok = np.zeros(0, dtype=bool)
         if policy in ("auto", "cycle"):
             layer0 = self._layer(0)
-            self.hpool = lazy_zeros((pool.num_slots, layer0.hidden_in_size), next(layer0.parameters()).dtype,
-                                    self.device)
+            self.hpool = lazy_zeros((pool.num_slots, layer0.hidden_in_size), self.hidden_dtype, self.device)
             self.draft_ok = np.zeros(pool.num_slots, dtype=bool)
         self.page_size = int(getattr(pool, "page_size", 1))
         self._held: StepPlan | None = None  # a plan the scheduler could not launch overlapped (see `hold`)
@@ -203,7 +202,8 @@ class SpecWorker(TargetWorker):
         if not self.drafting or not isinstance(like, ExtendGraphRunner) or any(
                 r.extend_graphs is None for r in self.drafts):
             return lines
-        g = FillGraph(self.drafts, heads_of([r.model for r in self.drafts]), like, self.state, self.r2t,
+        heads = [self._layer(k).head.vocab_ids for k in range(self.steps)]
+        g = FillGraph(self.drafts, heads, like, self.state, self.r2t,
                       chain=self.chain, hpool=self.hpool, hidden_size=self._layer(0).hidden_in_size,
                       dtype=self.hidden_dtype, emulate=not cuda, pool=pool)
         why = self._try_capture("the draft fill", g.capture, s)
@@ -306,14 +306,14 @@ class SpecWorker(TargetWorker):
         Afterwards every layer's KV is current to start+len."""
         for r, st, n in zip(reqs, starts, lens):
             r.draft_state.valid, r.draft_state.depth = st + n, self.steps
+        flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
         g = self.fill_graph
         # (The graph reads a catch-up's hidden states from the pool itself, and a prefill's from its stash.)
-        if g is not None and last_tok and (target_hidden is None) == (self.hpool is not None) and g.fits(lens) is not None:
-            flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
-            if flags.all_greedy and not any(r.constraint is not None for r in reqs):
-                g.run([cast(int, r.req_pool_idx) for r in reqs], starts, lens,
-                      [r.fill_ids[st : st + n] for r, st, n in zip(reqs, starts, lens)], target_hidden)
-                return
+        if (g is not None and last_tok and (target_hidden is None) == (self.hpool is not None) and flags.all_greedy
+                and not any(r.constraint is not None for r in reqs) and g.fits(lens) is not None):
+            g.run([cast(int, r.req_pool_idx) for r in reqs], starts, lens,
+                  [r.fill_ids[st : st + n] for r, st, n in zip(reqs, starts, lens)], target_hidden)
+            return
         if target_hidden is None:
             assert self.hpool is not None
             rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(lens))  # type: ignore[misc]
@@ -338,7 +338,6 @@ class SpecWorker(TargetWorker):
         rel = torch.cat([torch.arange(x) for x in lens]).to(dev, non_blocking=True)  # p - start_i, per row
         offs, lens_d = offs.to(dev, non_blocking=True), lens_t.to(dev, non_blocking=True)
         rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
-        flags = self.state.flags([r.req_pool_idx for r in reqs])  # type: ignore[misc]
         flags = self.constrain.begin(reqs, flags)  # constrain: the first drafts follow the grammar
         tail = torch.zeros(n, self.steps + 1, dtype=torch.int64, device=dev)
         h = target_hidden
