@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CUDA graphs for prefills of up to this many tokens (default 2048; 0: prefill eagerly)")
     ap.add_argument("--prefill-wait-steps", type=int, default=None,
                     help="steps an arrival may wait for others to share its prefill while requests decode "
-                         "(default: 4 on CUDA, 0 on the CPU)")
+                         "(default 0: off)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

@@ -22,11 +22,6 @@ DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The most draft steps an engine runs; slot maps and the RoPE table reach this far past the context.
 MAX_SPEC_STEPS = 16
-# Steps an arrival may wait to share a prefill on CUDA (`EngineConfig.prefill_wait_steps`). Not yet
-# chosen from a served measurement: the offline arrival profile in results/gpu/fill_graph/ halves the
-# prefill steps with it; the served TTFT against tok/s trade is still to be measured.
-PREFILL_WAIT_CUDA = 4
-
 
 DraftDevice: TypeAlias = Literal["cpu", "cuda"]
 
@@ -148,9 +143,10 @@ class EngineConfig(BaseModel):
     # its prefill (it goes at once when nothing decodes, or when the waiting fill every free request
     # slot): a prefill step's host cost is mostly fixed (its graph launch, the draft layers' fill), so
     # fewer, larger prefills cost the running streams less. Counted in steps, not time, so that every
-    # tensor-parallel rank decides alike. None: `PREFILL_WAIT_CUDA` on CUDA, 0 on the CPU (whose
-    # prefill cost is per token). See the README, "Mixed steps".
-    prefill_wait_steps: int | None = Field(None, ge=0, le=64)
+    # tensor-parallel rank decides alike. Off by default everywhere: served on the H200 a wait of 4
+    # halved the prefill steps yet lowered tok/s and raised TTFT at every concurrency
+    # (results/gpu/prefill_wait/); see the README, "Mixed steps".
+    prefill_wait_steps: int = Field(0, ge=0, le=64)
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot
@@ -182,11 +178,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"tp_size={self.tp_size} is not divisible by nnodes={self.nnodes} "
                              "(every node runs the same number of ranks)")
         return self
-
-    def resolved_prefill_wait(self, device: str) -> int:
-        if self.prefill_wait_steps is not None:
-            return self.prefill_wait_steps
-        return PREFILL_WAIT_CUDA if device.startswith("cuda") else 0
 
     def resolved_device(self) -> str:
         if self.device != "auto":

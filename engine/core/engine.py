@@ -236,7 +236,7 @@ class Engine:
                                    max_context=self.max_context_len, chunk_size=e.chunked_prefill_size,
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
                                    stop_cut=self._stop_cut, overlap=self._overlap(),
-                                   prefill_wait=e.resolved_prefill_wait(str(self.device)))
+                                   prefill_wait=e.prefill_wait_steps)
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
         self.observers: list[StepObserver] = []  # called after every step (the engine process's telemetry)

@@ -171,6 +171,6 @@ def test_arrivals_wait_a_few_steps_to_share_one_prefill(draft: str) -> None:
     assert e.scheduler.inflight is None and all_free(e)
 
 
-def test_the_prefill_wait_defaults_to_none_on_the_cpu() -> None:
+def test_the_prefill_wait_is_off_by_default() -> None:
     e = tiny_engine("none", cfg=tiny_cfg())
     assert e.scheduler.prefill_wait == 0 and e.stats()["prefill_wait_steps"] == 0
