@@ -397,7 +397,7 @@ def _main(args: argparse.Namespace) -> int:
              time.perf_counter() - t0, ready.model_name, ready.max_context_len, frozen)
     push.send(encode(ready))
     try:
-        code = EngineLoop(engine, pull, push, pump, GcWatch().install()).run()
+        code = EngineLoop(engine, pull, push, pump, GcWatch(frozen).install()).run()
     except zmq.Again:
         log.error("the daemon stopped reading outputs; engine exiting")
         code = 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from mleagle.engine.service.gc_watch import GcWatch, freeze
 
 
@@ -32,3 +34,16 @@ def test_freeze_moves_what_is_alive_out_of_reach() -> None:
         assert frozen >= len(keep) and gc.get_count()[0] < 100
     finally:
         gc.unfreeze()
+
+
+def test_a_snapshot_never_walks_the_frozen_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gc.get_freeze_count()` walks every frozen object (about 11 ms for the engine process's 180k,
+    which a pong once a second paid inside the serving loop): the snapshot reports the count taken at
+    the freeze instead."""
+    w = GcWatch(frozen=1234)
+
+    def walk() -> int:
+        raise AssertionError("snapshot walked the permanent generation")
+
+    monkeypatch.setattr(gc, "get_freeze_count", walk)
+    assert w.snapshot()["frozen"] == 1234
