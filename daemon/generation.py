@@ -186,17 +186,18 @@ class Generation:
 
     def _apply(self, c: Choice, o: RequestOutput) -> Delta:
         now = time.perf_counter()
-        m, lab = self.metrics, self.metrics.model
+        m = self.metrics
         n = len(o.token_ids)
         if n:
             if c.t_last is None:
-                m.ttft.labels(lab).observe(now - self.t0)
+                m.ttft_m.observe(now - self.t0)
             else:
                 # A speculative step emits several tokens at once: each gets its share of the wait.
+                itl = (now - c.t_last) / n
                 for _ in range(n):
-                    m.itl.labels(lab).observe((now - c.t_last) / n)
+                    m.itl_m.observe(itl)
             c.t_last = now
-            m.gen_tokens.labels(lab).inc(n)
+            m.gen_tokens_m.inc(n)
         c.token_ids.extend(o.token_ids)
         lps = o.logprobs or []
         c.logprobs.extend(lps)

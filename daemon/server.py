@@ -298,6 +298,11 @@ def spec_stats(c: Choice) -> dict[str, Any] | None:
 # ---- SSE ------------------------------------------------------------------------------------------
 
 
+# An SSE frame at most this long is written without a timer when its transport holds nothing unsent
+# (`SSE.writes_at_once`): far below asyncio's 64 KiB high-water mark, so the write cannot pause.
+FAST_WRITE_MAX = 16384
+
+
 class ClientTooSlow(Exception):
     """A write to the client did not complete within `write_timeout_s`."""
 
@@ -328,16 +333,30 @@ class SSE:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         return f"data: {data}\n\n".encode()
 
+    def writes_at_once(self, data: bytes) -> bool:
+        """Whether writing `data` now cannot wait for the client: the response is under way and its
+        transport holds nothing unsent, so the bytes go to the socket and stay far below the transport's
+        high-water mark, the only point where aiohttp's write suspends (its drain)."""
+        t = self.request.transport
+        return self.resp is not None and t is not None and len(data) < FAST_WRITE_MAX and \
+            t.get_write_buffer_size() == 0
+
+    async def write_at_once(self, data: bytes) -> None:
+        """`data` (framed) where `writes_at_once(data)`: no timer, since nothing here can wait."""
+        assert self.resp is not None
+        await self.resp.write(data)
+
     async def send(self, obj: Any) -> None:
         # `timeout` (not wait_for, which runs the write in a task of its own): a write the client takes
         # completes without suspending this task.
+        data = obj if isinstance(obj, bytes) else self.frame(obj)
         try:
             async with timeout(self.timeout):
                 if self.resp is None:
                     self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                             "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                     await self.resp.prepare(self.request)
-                await self.resp.write(self.frame(obj))
+                await self.resp.write(data)
         except asyncio.TimeoutError:
             raise ClientTooSlow from None
 
@@ -382,12 +401,16 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
             loop = asyncio.get_running_loop()
             async for d in gen.deltas():
                 for ch in chunks(d):
+                    data = sse.frame(ch)
+                    if sse.writes_at_once(data):  # the common case, once per token: no timer, no check
+                        await sse.write_at_once(data)
+                        continue
                     # A write that the client takes completes without suspending; one that suspends
                     # waits for the client, and the check scheduled here runs only then.
                     gen.sink.writing = True
                     check = loop.call_soon(gen.sink.check)
                     try:
-                        await sse.send(ch)
+                        await sse.send(data)
                     finally:
                         gen.sink.writing = False
                         check.cancel()
@@ -690,7 +713,7 @@ async def debug_engine(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"state": c.state, "pid": c.engine_pid, "restarts": c.restarts, "error": c.error,
                             "inflight": c.num_inflight, "active_http": srv.active,
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
-                                       "max_rss_mb": peak_rss_mb()}}
+                                       "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time()}}
     if c.state == "ready":
         try:
             p = await c.ping(timeout=5.0)
