@@ -63,6 +63,13 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("ttft_p90_ms", ("ttft_ms", "p90"), "TTFT p90 ms"),
     ("itl_p50_ms", ("itl_ms", "p50"), "ITL p50 ms"),
     ("itl_p99_ms", ("itl_ms", "p99"), "ITL p99 ms"),
+    # The daemon's own CPU per streamed token over the run (`bench serve`, from `/debug/engine`).
+    ("daemon_us_per_tok", ("server", "daemon_cpu_us_per_token"), "daemon CPU us/tok"),
+]
+# The same from the offline replay (engine alone): what the daemon adds to latency shows beside them.
+OFFLINE_METRICS: list[tuple[str, tuple[str, ...], str]] = [
+    ("offline_ttft_p90_ms", ("ttft_ms", "p90"), "offline TTFT p90 ms"),
+    ("offline_itl_p99_ms", ("itl_ms", "p99"), "offline ITL p99 ms"),
 ]
 SECRET_ENV = ("MLEAGLE_API_KEY",)  # the benchmark's own loopback servers run without a key
 STOP_KIDS_S = 15.0  # after the daemon exits: how long its engine (and ranks) may take to follow
@@ -408,10 +415,17 @@ def cell(xs: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def dig(d: dict[str, Any], path: tuple[str, ...]) -> float:
+def dig(d: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    """The figure at `path`, None where a run lacks it (an older report, a server without /debug)."""
     for k in path:
+        if not isinstance(d, dict) or d.get(k) is None:
+            return None
         d = d[k]
     return float(d)  # type: ignore[arg-type]
+
+
+def digs(got: list[dict[str, Any]], path: tuple[str, ...]) -> list[float]:
+    return [v for g in got if (v := dig(g, path)) is not None]
 
 
 Runs = dict[tuple[str, int, int], dict[str, Any]]  # (arm, repeat, concurrency) -> a run's result
@@ -446,7 +460,10 @@ def summary(runs: list[dict[str, Any]], arms: list[str], concs: list[int], base:
             row: dict[str, Any] = {"concurrency": c, "arm": arm, "repeats": len(got),
                                    "failed": sum(g["failed"] for g in got)}
             for key, path, _ in METRICS:
-                row[key] = cell([dig(g, path) for g in got])
+                row[key] = cell(digs(got, path))
+            off = [offline[(arm, k, c)] for k in reps if (arm, k, c) in offline]
+            for key, path, _ in OFFLINE_METRICS:
+                row[key] = cell(digs(off, path))
             row["vs_baseline"] = cell(paired(served, served, base, arm, c, reps))
             row["offline_out_tok_s"] = cell([offline[(arm, k, c)]["output_throughput"] for k in reps
                                              if (arm, k, c) in offline])
@@ -471,14 +488,15 @@ def show(c: dict[str, float] | None, ratio: bool = False) -> str:
 def table(rows: list[dict[str, Any]], base: str, offline: bool) -> str:
     head = ["conc", "arm", METRICS[0][2], f"vs {base}", *(t for _, _, t in METRICS[1:])]
     if offline:
-        head += ["offline tok/s", "served/offline"]
+        head += ["offline tok/s", "served/offline", *(t for _, _, t in OFFLINE_METRICS)]
     head.append("failed")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if i != 1 else "---" for i in range(len(head))) + "|"]
     for r in rows:
         cells = [str(r["concurrency"]), r["arm"], show(r["out_tok_s"]), show(r["vs_baseline"], True),
                  *(show(r[k]) for k, _, _ in METRICS[1:])]
         if offline:
-            cells += [show(r["offline_out_tok_s"]), show(r["served_over_offline"], True)]
+            cells += [show(r["offline_out_tok_s"]), show(r["served_over_offline"], True),
+                      *(show(r.get(k)) for k, _, _ in OFFLINE_METRICS)]
         cells.append(str(r["failed"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

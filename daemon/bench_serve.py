@@ -123,6 +123,15 @@ def pct(xs: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(s) * 1e3, "p50": q(0.5) * 1e3, "p90": q(0.9) * 1e3, "p99": q(0.99) * 1e3}
 
 
+async def _debug(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """The server's `/debug/engine` (empty where it is not there, e.g. another server)."""
+    try:
+        async with s.get(url.rstrip("/") + "/debug/engine") as resp:
+            return await resp.json() if resp.status == 200 else {}
+    except (aiohttp.ClientError, ValueError):
+        return {}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args.dataset, data_dir(args.data_dir), args.num_prompts, args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -140,6 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await one(s, args, model, p)
 
+        cpu0 = (await _debug(s, args.url)).get("daemon", {}).get("cpu_s")
         load0 = os.getloadavg()
         t0 = time.perf_counter()
         tasks = []
@@ -150,15 +160,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
         server: dict[str, Any] = {}
-        try:
-            async with s.get(args.url.rstrip("/") + "/debug/engine") as resp:
-                if resp.status == 200:
-                    d = await resp.json()
-                    server = {"daemon_max_rss_mb": d.get("daemon", {}).get("max_rss_mb"),
-                              "engine_max_rss_mb": d.get("engine_max_rss_mb"),
-                              "daemon_torch_loaded": d.get("daemon", {}).get("torch_loaded")}
-        except aiohttp.ClientError:
-            pass
+        d = await _debug(s, args.url)
+        if d:
+            dm = d.get("daemon", {})
+            out_tok = sum(r.output_tokens for r in results if r.ok)
+            # The daemon's CPU time over the run (its main loop does HTTP, tokenization, detokenization
+            # and SSE for every stream): per output token, the serving path's own cost.
+            cpu = dm["cpu_s"] - cpu0 if cpu0 is not None and dm.get("cpu_s") is not None else None
+            server = {"daemon_max_rss_mb": dm.get("max_rss_mb"), "engine_max_rss_mb": d.get("engine_max_rss_mb"),
+                      "daemon_torch_loaded": dm.get("torch_loaded"), "daemon_cpu_s": cpu,
+                      "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
+                      "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -215,6 +227,9 @@ def table(res: dict[str, Any]) -> str:
     if srv:
         lines.append(f"{'peak RSS daemon/engine (MB)':<28}{srv.get('daemon_max_rss_mb') or 0:.0f} / "
                      f"{srv.get('engine_max_rss_mb') or 0:.0f}")
+        if srv.get("daemon_cpu_us_per_token") is not None:
+            lines.append(f"{'daemon CPU per token (us)':<28}{srv['daemon_cpu_us_per_token']:.1f}"
+                         f" ({100 * srv['daemon_cpu_share']:.0f} % of one core)")
     if res["errors"]:
         lines.append(f"{'errors':<28}{res['errors']}")
     return "\n".join(lines)
