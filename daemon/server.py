@@ -330,6 +330,8 @@ class SSE:
 
     @staticmethod
     def frame(obj: Any) -> bytes:
+        if isinstance(obj, bytes):  # framed already (`_Format.content_frame`)
+            return obj
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         return f"data: {data}\n\n".encode()
 
@@ -388,7 +390,7 @@ class SSE:
             self.request.transport.abort()
 
 
-async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta], list[dict[str, Any]]],
+async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta], list[dict[str, Any] | bytes]],
                  tail: Callable[[], list[dict[str, Any]]]) -> web.StreamResponse:
     """Run `gen`, sending `chunks(delta)` per delta and `tail()` at the end; an error after the headers
     went out is sent as an `{"error": ...}` event (OpenAI's convention) before `[DONE]`. A client that
@@ -511,6 +513,14 @@ async def run_generation(request: web.Request, srv: Server, gen: Generation, req
         srv.leave()
 
 
+_PROBE = "\x00mleagle-text\x00"  # stands for the text while `content_frame` builds its fixed bytes
+
+
+def _probe_choice(index: int, key: str) -> dict[str, Any]:
+    delta: Any = {"content": _PROBE} if key == "content" else _PROBE
+    return {"index": index, ("delta" if key == "content" else key): delta, "logprobs": None, "finish_reason": None}
+
+
 class _Format:
     """Per-endpoint response shapes: chunks per delta, the stream's tail, the full response."""
 
@@ -519,6 +529,7 @@ class _Format:
         self.created = int(time.time())
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        self._fixed: dict[tuple[int, str], tuple[bytes, bytes]] = {}  # `content_frame`'s bytes around the text
 
     def head(self) -> dict[str, Any]:
         return {"id": self.gen.id, "object": self.obj, "created": self.created, "model": self.srv.model}
@@ -528,6 +539,19 @@ class _Format:
         if self.include_usage:
             out["usage"] = _usage(self.gen) if self.continuous else None
         return out
+
+    def content_frame(self, index: int, key: str, text: str) -> bytes:
+        """The SSE frame of `chunk({"index": index, <delta>: text, "logprobs": None, "finish_reason":
+        None})` for the chat delta (`key` "content") or a completion's text ("text"), where nothing else
+        varies (no usage in chunks): the bytes around the text are built once per stream, so a token
+        costs one string encode instead of a dict and its JSON (the daemon's loop pays this per token
+        of every stream; tests/daemon/test_sse_frames.py checks it against `chunk`)."""
+        fix = self._fixed.get((index, key))
+        if fix is None:
+            probe = self.chunk(_probe_choice(index, key))
+            pre, _, post = json.dumps(probe, ensure_ascii=False).partition(json.dumps(_PROBE))
+            fix = self._fixed[(index, key)] = (f"data: {pre}".encode(), f"{post}\n\n".encode())
+        return fix[0] + json.dumps(text, ensure_ascii=False).encode() + fix[1]
 
     def tail(self) -> list[dict[str, Any]]:
         if not self.include_usage:
@@ -556,9 +580,11 @@ class _completion_format(_Format):
                 ch["spec_stats"] = spec_stats(c)
         return ch
 
-    def chunks(self, d: Delta) -> list[dict[str, Any]]:
+    def chunks(self, d: Delta) -> list[dict[str, Any] | bytes]:
         if not d.text and not d.finished and not (d.logprobs and self.req.logprobs is not None):
             return []
+        if not d.finished and self.req.logprobs is None and not self.continuous:
+            return [self.content_frame(d.choice.index, "text", d.text)]
         return [self.chunk(self._choice(d.choice, d.text, d.logprobs, d.choice.finish_reason if d.finished else None))]
 
     def full(self) -> dict[str, Any]:
@@ -580,8 +606,8 @@ class _chat_format(_Format):
         # A forced tool call that completed is a call (OpenAI's "tool_calls"); a cut one stays "length".
         return "tool_calls" if self.tools is not None and c.finish_reason == "stop" else c.finish_reason
 
-    def chunks(self, d: Delta) -> list[dict[str, Any]]:
-        c, out = d.choice, []
+    def chunks(self, d: Delta) -> list[dict[str, Any] | bytes]:
+        c, out = d.choice, list[dict[str, Any] | bytes]()
         if c.index not in self.started:
             self.started.add(c.index)
             out.append(self.chunk({"index": c.index, "delta": {"role": "assistant", "content": "" if self.tools is None else None},
@@ -592,6 +618,8 @@ class _chat_format(_Format):
                 calls = [{"index": k, **tc} for k, tc in enumerate(tool_calls(self.tools, c.text))]
                 out.append(self.chunk({"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
                                        "finish_reason": None}))
+        elif d.text and not self.req.logprobs and not self.continuous:
+            out.append(self.content_frame(c.index, "content", d.text))
         elif d.text or (d.logprobs and self.req.logprobs):
             out.append(self.chunk({"index": c.index, "delta": {"content": d.text}, "logprobs": self._lp(d.logprobs),
                                    "finish_reason": None}))
@@ -660,7 +688,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     class fmt:
         @staticmethod
-        def chunks(d: Delta) -> list[dict[str, Any]]:
+        def chunks(d: Delta) -> list[dict[str, Any] | bytes]:
             return [{"text": d.text, "token_ids": d.token_ids, "logprobs": lp(d.logprobs), "finished": d.finished,
                      "meta_info": meta(d.choice) if d.finished else None,
                      **(plp(d.prompt_logprobs) if d.prompt_logprobs is not None else {})}]
