@@ -159,11 +159,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(args.rate))
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
+        summ = summarize(results, dur)
         server: dict[str, Any] = {}
         d = await _debug(s, args.url)
         if d:
             dm = d.get("daemon", {})
-            out_tok = sum(r.output_tokens for r in results if r.ok)
+            out_tok = summ["output_tokens"]
             # The daemon's CPU time over the run (its main loop does HTTP, tokenization, detokenization
             # and SSE for every stream): per output token, the serving path's own cost.
             cpu = dm["cpu_s"] - cpu0 if cpu0 is not None and dm.get("cpu_s") is not None else None
@@ -179,7 +180,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "url": args.url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
         "num_prompts": len(prompts), "rate": args.rate, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "temperature": args.temperature,
-        **summarize(results, dur),
+        **summ,
         "server": server,
         "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
     }

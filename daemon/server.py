@@ -299,7 +299,7 @@ def spec_stats(c: Choice) -> dict[str, Any] | None:
 
 
 # An SSE frame at most this long is written without a timer when its transport holds nothing unsent
-# (`SSE.writes_at_once`): far below asyncio's 64 KiB high-water mark, so the write cannot pause.
+# (`SSE.write_now`): far below asyncio's 64 KiB high-water mark, so the write cannot pause.
 FAST_WRITE_MAX = 16384
 
 
@@ -335,23 +335,21 @@ class SSE:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         return f"data: {data}\n\n".encode()
 
-    def writes_at_once(self, data: bytes) -> bool:
-        """Whether writing `data` now cannot wait for the client: the response is under way and its
-        transport holds nothing unsent, so the bytes go to the socket and stay far below the transport's
-        high-water mark, the only point where aiohttp's write suspends (its drain)."""
+    async def write_now(self, data: bytes) -> bool:
+        """Write `data` (framed) without a timer if that cannot wait for the client: the response is
+        under way and its transport holds nothing unsent, so the bytes go to the socket and stay far
+        below the transport's high-water mark, the only point where aiohttp's write suspends (its
+        drain). False, and nothing written, otherwise: then `send` it."""
         t = self.request.transport
-        return self.resp is not None and t is not None and len(data) < FAST_WRITE_MAX and \
-            t.get_write_buffer_size() == 0
-
-    async def write_at_once(self, data: bytes) -> None:
-        """`data` (framed) where `writes_at_once(data)`: no timer, since nothing here can wait."""
-        assert self.resp is not None
+        if self.resp is None or t is None or len(data) >= FAST_WRITE_MAX or t.get_write_buffer_size():
+            return False
         await self.resp.write(data)
+        return True
 
     async def send(self, obj: Any) -> None:
         # `timeout` (not wait_for, which runs the write in a task of its own): a write the client takes
         # completes without suspending this task.
-        data = obj if isinstance(obj, bytes) else self.frame(obj)
+        data = self.frame(obj)
         try:
             async with timeout(self.timeout):
                 if self.resp is None:
@@ -404,8 +402,7 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
             async for d in gen.deltas():
                 for ch in chunks(d):
                     data = sse.frame(ch)
-                    if sse.writes_at_once(data):  # the common case, once per token: no timer, no check
-                        await sse.write_at_once(data)
+                    if await sse.write_now(data):  # the common case, once per token: no timer, no check
                         continue
                     # A write that the client takes completes without suspending; one that suspends
                     # waits for the client, and the check scheduled here runs only then.
@@ -516,9 +513,10 @@ async def run_generation(request: web.Request, srv: Server, gen: Generation, req
 _PROBE = "\x00mleagle-text\x00"  # stands for the text while `content_frame` builds its fixed bytes
 
 
-def _probe_choice(index: int, key: str) -> dict[str, Any]:
-    delta: Any = {"content": _PROBE} if key == "content" else _PROBE
-    return {"index": index, ("delta" if key == "content" else key): delta, "logprobs": None, "finish_reason": None}
+def _text_choice(index: int, key: str, text: str) -> dict[str, Any]:
+    """A text chunk's choice: the chat delta (`key` "content") or a completion's text ("text")."""
+    body: dict[str, Any] = {"delta": {"content": text}} if key == "content" else {"text": text}
+    return {"index": index, **body, "logprobs": None, "finish_reason": None}
 
 
 class _Format:
@@ -548,7 +546,7 @@ class _Format:
         of every stream; tests/daemon/test_sse_frames.py checks it against `chunk`)."""
         fix = self._fixed.get((index, key))
         if fix is None:
-            probe = self.chunk(_probe_choice(index, key))
+            probe = self.chunk(_text_choice(index, key, _PROBE))
             pre, _, post = json.dumps(probe, ensure_ascii=False).partition(json.dumps(_PROBE))
             fix = self._fixed[(index, key)] = (f"data: {pre}".encode(), f"{post}\n\n".encode())
         return fix[0] + json.dumps(text, ensure_ascii=False).encode() + fix[1]
