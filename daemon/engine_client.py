@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
+from mleagle.daemon.zmq_reader import ZmqReader
 from mleagle.engine.contract.config import MleagleConfig
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.contract.protocol import (
@@ -114,8 +114,9 @@ class _Gen:
     n: int
     proc: asyncio.subprocess.Process
     push: zmq.Socket
-    pull: zmq.asyncio.Socket
-    events: Any  # ZmqEventSubscriber bound before the engine starts, so no early event is lost
+    pull: zmq.Socket
+    events: zmq.Socket  # SUB, bound before the engine starts, so no early event is lost
+    readers: list[ZmqReader] = field(default_factory=list)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     ended: bool = False
 
@@ -154,8 +155,10 @@ class EngineClient:
             log.info("removed the run dir of a daemon that is gone: %s", d)
         self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")  # mkdtemp makes it 0700
         os.chmod(self.run_dir, 0o700)
-        self.ctx = zmq.asyncio.Context()
-        self.sync_ctx = zmq.Context()
+        self.ctx = zmq.Context()
+        # Where the engine's state events go, a batch of [type, JSON] frame lists per wake-up with the
+        # engine generation's number (the relay sets it); with none set they are read and dropped.
+        self.on_events: Callable[[int, list[list[bytes]]], None] | None = None
         self.gen: _Gen | None = None
         self._n = 0
         self._seq = 0
@@ -176,11 +179,6 @@ class EngineClient:
     def engine_pid(self) -> int | None:
         return self.gen.proc.pid if self.gen is not None else None
 
-    @property
-    def events(self) -> Any:
-        """The current engine's event subscriber (None between engines)."""
-        return self.gen.events if self.gen is not None else None
-
     async def start(self) -> None:
         """Spawn the engine and wait for its handshake; raises RuntimeError if it cannot start."""
         self._stopping = False
@@ -200,7 +198,7 @@ class EngineClient:
         n = self._n
         d = self.run_dir
         req_addr, out_addr, ev_addr = (f"ipc://{d}/g{n}-{k}" for k in ("req", "out", "ev"))
-        push = self.sync_ctx.socket(zmq.PUSH)
+        push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; admission control bounds the queue
         push.bind(req_addr)
@@ -210,9 +208,11 @@ class EngineClient:
         pull.bind(out_addr)
         # The daemon binds the SUB side and the engine's PUB connects to it before it even loads the
         # model: the subscription is in place before the first event (no slow-joiner loss).
-        from mleagle.engine.contract.event_bus import ZmqEventSubscriber
-
-        events = ZmqEventSubscriber(ev_addr, bind=True, ctx=self.ctx)
+        events = self.ctx.socket(zmq.SUB)
+        events.setsockopt(zmq.RCVHWM, 10000)
+        events.setsockopt(zmq.LINGER, 0)
+        events.setsockopt(zmq.SUBSCRIBE, b"")
+        events.bind(ev_addr)
         cmd = [sys.executable, "-m", "mleagle.engine.service.process", "--config-file", "-", "--run-dir", d,
                "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr, "--parent-pid", str(os.getpid())]
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
@@ -229,7 +229,10 @@ class EngineClient:
             pass  # the process died at once; _watch reports it
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        gen.tasks.append(asyncio.create_task(self._recv_loop(gen)))
+        gen.readers = [ZmqReader(pull, lambda batch: self._on_msgs(gen, batch)),
+                       ZmqReader(events, lambda batch: self._on_events(gen, batch), multipart=True)]
+        for r in gen.readers:
+            r.start()
         watch = asyncio.create_task(self._watch(gen))
         gen.tasks.append(watch)
         t0 = time.perf_counter()
@@ -249,41 +252,48 @@ class EngineClient:
         log.info("engine %d ready in %.1fs (pid %d): %s", n, time.perf_counter() - t0, proc.pid, ready.model_name)
         self._set_state("ready")
 
-    async def _recv_loop(self, gen: _Gen) -> None:
-        while True:
+    def _on_events(self, gen: _Gen, batch: list[list[bytes]]) -> None:
+        if self.on_events is not None and not gen.ended:
+            self.on_events(gen.n, batch)
+
+    def _on_msgs(self, gen: _Gen, batch: list[bytes]) -> None:
+        """Everything the engine sent since the last wake-up (its reader's callback)."""
+        if gen is self.gen:
+            self.last_seen = time.monotonic()  # any message at all is a sign of life
+        for data in batch:
             try:
-                data = await gen.pull.recv()
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
-            if gen is self.gen:
-                self.last_seen = time.monotonic()  # any message at all is a sign of life
-            try:
-                msg = decode_engine_msg(data)
-            except ValueError as e:
-                log.error("dropped a malformed engine message: %s", e)
-                continue
-            if isinstance(msg, Outputs):
-                for o in msg.outputs:
-                    self._deliver(o)
-            elif isinstance(msg, RequestError):
-                r = self.reqs.pop(msg.rid, None)
-                if r is not None and not r.aborted:
-                    r.sink.put_nowait((r.tag, EngineRequestFailed(msg.message, msg.kind, msg.param)))
-            elif isinstance(msg, Pong):
-                self.last_pong, self.last_pong_t = msg, time.monotonic()
-                fut = self._pongs.pop(msg.seq, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-                if self.on_pong is not None:
-                    self.on_pong(msg)
-            elif isinstance(msg, Ready):
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(msg)
-            elif isinstance(msg, Fatal):
-                log.error("engine: %s", msg.message)
-                self.error = msg.message
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_exception(RuntimeError(msg.message))
+                self._on_msg(data)
+            except Exception:  # one bad message (or callback) must not drop the rest of the batch
+                log.exception("failed to handle an engine message")
+
+    def _on_msg(self, data: bytes) -> None:
+        try:
+            msg = decode_engine_msg(data)
+        except ValueError as e:
+            log.error("dropped a malformed engine message: %s", e)
+            return
+        if isinstance(msg, Outputs):
+            for o in msg.outputs:
+                self._deliver(o)
+        elif isinstance(msg, RequestError):
+            r = self.reqs.pop(msg.rid, None)
+            if r is not None and not r.aborted:
+                r.sink.put_nowait((r.tag, EngineRequestFailed(msg.message, msg.kind, msg.param)))
+        elif isinstance(msg, Pong):
+            self.last_pong, self.last_pong_t = msg, time.monotonic()
+            fut = self._pongs.pop(msg.seq, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            if self.on_pong is not None:
+                self.on_pong(msg)
+        elif isinstance(msg, Ready):
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg)
+        elif isinstance(msg, Fatal):
+            log.error("engine: %s", msg.message)
+            self.error = msg.message
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(RuntimeError(msg.message))
 
     def _deliver(self, o: RequestOutput) -> None:
         r = self.reqs.get(o.rid)
@@ -368,9 +378,11 @@ class EngineClient:
         for t in gen.tasks:
             if cancel_watch or t is not asyncio.current_task():
                 t.cancel()
+        for r in gen.readers:
+            r.close()  # before the sockets: a closed fd must not stay registered with the loop
         gen.push.close(linger=0)
         gen.pull.close(linger=0)
-        gen.events.close()
+        gen.events.close(linger=0)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit, kill it after `timeout`, clean up sockets and the run dir."""
@@ -395,7 +407,6 @@ class EngineClient:
             self._close_gen(gen)
         self._fail_all("the server is shutting down")
         self.ctx.destroy(linger=0)
-        self.sync_ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self._set_state("stopped")
 

@@ -1,6 +1,8 @@
 """`GET /v1/events`: the engine's state events relayed to WebSocket subscribers.
 
-The SUB socket of the current engine generation (bound by the engine client) feeds a `StateTracker`; each WebSocket subscriber first gets a
+The engine client reads the SUB socket of the current engine generation and hands the relay every
+waiting event in one `feed` call per wake-up; the relay folds them into a `StateTracker` (a new
+generation starts a new one). Each WebSocket subscriber first gets a
 `snapshot` event (the current state), then the deltas as JSON text frames, optionally filtered by
 type (`?types=batch,pool`). A subscriber that cannot keep up loses its oldest events (its queue is
 bounded) and is told how many with a `drops` event of stage "relay"; the engine never waits for it, and
@@ -17,7 +19,6 @@ import logging
 from collections import Counter
 from typing import Any
 
-import zmq
 from aiohttp import web
 
 from mleagle.daemon.errors import APIError
@@ -26,7 +27,6 @@ from mleagle.engine.contract.events import EVENT_TYPES, DropsEvent, EventError, 
 
 log = logging.getLogger("mleagle.daemon.events")
 SUB_QUEUE = 2048
-DRAIN_MAX = 1024  # frames taken per wake-up, so a flood still yields to the HTTP handlers
 # Event types the tracker keeps only the newest of: with no subscriber they are stored raw and parsed
 # only for a snapshot. Logprob metadata the tracker does not keep at all: with no subscriber it is dropped.
 LATEST_ONLY = frozenset({b"batch", b"acceptance", b"spec_policy"})
@@ -55,66 +55,38 @@ class EventsRelay:
         self.tracker = StateTracker()
         self.latest: dict[bytes, bytes] = {}  # type frame -> the newest unparsed event of that type
         self.subs: set[_Sub] = set()
-        self.task: asyncio.Task[None] | None = None
+        self.gen: int | None = None  # the engine generation whose events the tracker holds
         self.received = 0
-        self._stop = False
 
     def start(self) -> None:
-        self._stop = False
-        self.task = asyncio.create_task(self._run())
+        """Take the engine client's events (its SUB socket's reader calls `feed` once per wake-up)."""
+        self.client.on_events = self.feed
 
-    async def stop(self) -> None:
-        # No cancellation of a pending zmq.asyncio recv: with pyzmq that can wait for the next message.
-        # The loop polls with a short timeout and sees the flag instead.
-        self._stop = True
-        if self.task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.task), 2.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                self.task.cancel()
+    def stop(self) -> None:
+        if getattr(self.client, "on_events", None) == self.feed:
+            self.client.on_events = None
 
-    async def _run(self) -> None:
-        current = None
-        while not self._stop:
-            sub = self.client.events
-            if sub is None:
-                await asyncio.sleep(0.2)
+    def feed(self, gen: int, batch: list[list[bytes]]) -> None:
+        """Every event that was waiting, in one call: a speculative engine publishes ~15 events a step,
+        hundreds of steps a second, so the per-wake-up cost is what the daemon pays per step."""
+        if gen != self.gen:
+            self.gen, self.tracker, self.latest = gen, StateTracker(), {}  # a new engine: old state is gone
+        for frames in batch:
+            self.received += 1
+            kind = frames[0]
+            if not self.subs and (kind in LATEST_ONLY or kind in UNTRACKED):
+                # Nobody is listening and the tracker keeps only the newest of these (or none): parse
+                # it when a subscriber's snapshot needs it (`_settle`), not hundreds of times a second.
+                if kind in LATEST_ONLY:
+                    self.latest[kind] = frames[-1]
                 continue
             try:
-                if not await sub.sock.poll(200, zmq.POLLIN):
-                    continue
-                # Everything waiting, in one wake-up: a speculative engine publishes ~15 events a step,
-                # hundreds of steps a second, and one event loop pass per event (poll, then recv) costs
-                # the daemon twice what the event itself does.
-                batch: list[list[bytes]] = []
-                while len(batch) < DRAIN_MAX and sub.sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    batch.append(await sub.sock.recv_multipart(zmq.NOBLOCK))
-            except (zmq.ZMQError, asyncio.CancelledError):
-                # The engine generation ended and its socket was closed (pyzmq cancels the pending poll
-                # future then); a cancellation of this task itself is passed on.
-                task = asyncio.current_task()
-                if task is not None and getattr(task, "cancelling", lambda: 0)():
-                    raise
-                await asyncio.sleep(0.1)
+                e = parse_event(frames[-1])
+            except EventError:
                 continue
-            if sub is not current:
-                current, self.tracker, self.latest = sub, StateTracker(), {}  # a new engine: old state is gone
-            for frames in batch:
-                self.received += 1
-                kind = frames[0]
-                if not self.subs and (kind in LATEST_ONLY or kind in UNTRACKED):
-                    # Nobody is listening and the tracker keeps only the newest of these (or none): parse
-                    # it when a subscriber's snapshot needs it (`_settle`), not hundreds of times a second.
-                    if kind in LATEST_ONLY:
-                        self.latest[kind] = frames[-1]
-                    continue
-                try:
-                    e = parse_event(frames[-1])
-                except EventError:
-                    continue
-                self.tracker.apply(e)
-                for s in self.subs:
-                    s.put(e)
+            self.tracker.apply(e)
+            for s in self.subs:
+                s.put(e)
 
     def _settle(self) -> None:
         """Fold the unparsed newest events into the tracker (before a snapshot is taken)."""

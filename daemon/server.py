@@ -868,7 +868,7 @@ def create_app(cfg: MleagleConfig, *, on_fatal: Callable[[int], None] | None = N
         srv.events.start()
 
     async def on_cleanup(app: web.Application) -> None:
-        await srv.events.stop()
+        srv.events.stop()
         if srv._start_task is not None and not srv._start_task.done():
             srv._start_task.cancel()
         await srv.client.stop(timeout=10.0)

@@ -5,7 +5,8 @@ runner, pools, acceptance, the policy's decision, request lifecycle), and throug
 hundreds of steps a second; the daemon folds every one into its `StateTracker` on the same event loop
 that streams the responses. This records the events of a real engine run (a tiny random model with a
 random 3-layer draft at full depth, 64 requests of 40 tokens: `tests/spec_helpers.tiny_engine`), then
-per repeat starts the daemon's real `EventsRelay` on a real `ZmqEventSubscriber`, floods it from a PUB
+per repeat starts the daemon's real `EventsRelay` fed by the engine client's `ZmqReader` on a real SUB
+socket, floods it from a PUB
 socket in another thread, and times the relay from its first event to its last (wall, the publisher
 thread sharing the interpreter). Prints a table and writes JSON (default results/bench_relay.json).
 """
@@ -30,7 +31,8 @@ import torch
 import zmq
 
 from mleagle.daemon.events_relay import EventsRelay
-from mleagle.engine.contract.event_bus import EventBus, ZmqEventSubscriber
+from mleagle.daemon.zmq_reader import ZmqReader
+from mleagle.engine.contract.event_bus import EventBus
 from mleagle.engine.contract.events import dump_event
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.service.telemetry import Telemetry
@@ -58,26 +60,31 @@ def record_events() -> list[list[bytes]]:
 
 
 class _Client:
-    events: ZmqEventSubscriber | None = None
+    on_events: Any = None
 
 
 async def one_run(frames: list[list[bytes]]) -> float:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, len(frames) + 10)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind("tcp://127.0.0.1:*")
+    address = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
     c = _Client()
-    c.events = ZmqEventSubscriber("tcp://127.0.0.1:*", bind=True, hwm=len(frames) + 10)
     relay = EventsRelay(c)
     relay.start()
+    reader = ZmqReader(sub, lambda batch: c.on_events(0, batch), multipart=True)  # as the engine client reads
+    reader.start()
 
     def flood() -> None:
-        ctx = zmq.Context()
         s = ctx.socket(zmq.PUB)
         s.setsockopt(zmq.SNDHWM, len(frames) + 10)
-        s.connect(c.events.address)  # type: ignore[union-attr]
+        s.connect(address)
         time.sleep(0.5)  # the subscription propagates
         for f in frames:
             s.send_multipart(f)
         time.sleep(1.0)
         s.close(linger=0)
-        ctx.term()
 
     th = threading.Thread(target=flood, daemon=True)
     th.start()
@@ -89,9 +96,11 @@ async def one_run(frames: list[list[bytes]]) -> float:
             t0 = time.perf_counter()
     dt = time.perf_counter() - (t0 or time.perf_counter())
     got = relay.received
-    await relay.stop()
-    c.events.close()
+    relay.stop()
+    reader.close()
     th.join()
+    sub.close(linger=0)
+    ctx.term()
     if got < len(frames):
         raise RuntimeError(f"the relay took {got} of {len(frames)} events")
     return dt / got * 1e6

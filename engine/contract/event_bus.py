@@ -5,8 +5,8 @@ blocks and never raises into the engine; when the deque is full the oldest event
 per type (recent state matters more than old state). The engine process periodically `drain()`s the bus
 and hands the events to `ZmqEventPublisher.publish`, a PUB socket with a small high-water mark and
 non-blocking sends (XPUB_NODROP makes a full queue raise EAGAIN so the drop is counted, not silent). The
-daemon reads them with `ZmqEventSubscriber` (zmq.asyncio), folds them into a `StateTracker` so a new
-WebSocket subscriber gets a `SnapshotEvent` first, then relays the deltas. Torch-free; zmq is imported
+daemon binds the SUB side (`daemon/zmq_reader.py` reads it from its event loop), folds the events into
+a `StateTracker` so a new WebSocket subscriber gets a `SnapshotEvent` first, then relays the deltas. Torch-free; zmq is imported
 only by the ZMQ classes, so the tracker is importable with pydantic alone.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from mleagle.engine.contract.events import (
@@ -23,19 +23,16 @@ from mleagle.engine.contract.events import (
     DropsEvent,
     EngineEvent,
     Event,
-    EventError,
     GraphEvent,
     PoolEvent,
     RequestEvent,
     SnapshotEvent,
     SpecPolicyEvent,
     dump_event,
-    parse_event,
 )
 
 if TYPE_CHECKING:
     import zmq
-    import zmq.asyncio
 
 
 class EventBus:
@@ -214,42 +211,6 @@ class ZmqEventPublisher:
 
     def drops_event(self) -> DropsEvent:
         return DropsEvent(stage="publisher", dropped=dict(self.dropped))
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-class ZmqEventSubscriber:
-    """Async SUB socket for the daemon: `await recv()` or `async for e in sub`. Malformed messages are
-    skipped and counted in `malformed`. `types` restricts the subscription to those event types."""
-
-    def __init__(
-        self, address: str, types: Iterable[str] | None = None, hwm: int = 10000, bind: bool = False,
-        ctx: zmq.asyncio.Context | None = None,
-    ) -> None:
-        import zmq
-        import zmq.asyncio
-
-        self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        for t in types or [""]:
-            self.sock.setsockopt(zmq.SUBSCRIBE, t.encode())
-        self.address = _attach(self.sock, address, bind)
-        self.malformed = 0
-
-    async def recv(self) -> Event:
-        while True:
-            frames = await self.sock.recv_multipart()
-            try:
-                return parse_event(frames[-1])
-            except EventError:
-                self.malformed += 1
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        while True:
-            yield await self.recv()
 
     def close(self) -> None:
         self.sock.close(linger=0)
