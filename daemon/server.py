@@ -47,7 +47,7 @@ from mleagle.daemon.metrics import Metrics
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
 from mleagle.daemon.structured import Constraint, tool_calls, tool_prompt
 from mleagle.engine.contract.config import MleagleConfig
-from mleagle.engine.contract.outputs import TokenLogprob
+from mleagle.engine.contract.outputs import RequestOutput, TokenLogprob
 from mleagle.engine.contract.protocol import peak_rss_mb
 from mleagle.engine.contract.sampling_params import SamplingParams
 
@@ -77,6 +77,7 @@ class Server:
         self.idle = asyncio.Event()
         self.idle.set()
         self.gens: set[Generation] = set()  # generations in flight (what a drain deadline fails)
+        self.direct_outputs = 0  # engine outputs a stream took in the engine client's callback (`stream`)
         self.max_inflight = cfg.engine.max_running_requests + cfg.server.max_queued_requests
         k = cfg.server.key()
         self.api_key = k.encode() if k else None
@@ -335,16 +336,27 @@ class SSE:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         return f"data: {data}\n\n".encode()
 
-    async def write_now(self, data: bytes) -> bool:
-        """Write `data` (framed) without a timer if that cannot wait for the client: the response is
-        under way and its transport holds nothing unsent, so the bytes go to the socket and stay far
-        below the transport's high-water mark, the only point where aiohttp's write suspends (its
-        drain). False, and nothing written, otherwise: then `send` it."""
+    def write_now(self, data: bytes) -> bool:
+        """Write `data` (framed) at once if that cannot wait for the client: the response is under way
+        and its transport holds nothing unsent, so the bytes go to the socket and stay far below the
+        transport's high-water mark. False, and nothing written, otherwise: then `send` it.
+
+        aiohttp's `write` is a coroutine, but (aiohttp/http_writer.py, `StreamWriter.write`) it frames
+        the chunk and hands it to the transport synchronously; it suspends only to drain, and its drain
+        waits only while the protocol is paused, which the transport asks for above the high-water mark
+        alone (a server response has no chunk callback and no compression here). So it is run here
+        to its end in one step, with no task and no await: this is what lets the engine client's
+        callback write a frame (`stream`'s direct path)."""
         t = self.request.transport
-        if self.resp is None or t is None or len(data) >= FAST_WRITE_MAX or t.get_write_buffer_size():
+        if self.resp is None or t is None or t.is_closing() or len(data) >= FAST_WRITE_MAX or t.get_write_buffer_size():
             return False
-        await self.resp.write(data)
-        return True
+        w = self.resp.write(data)
+        try:
+            w.send(None)
+        except StopIteration:
+            return True
+        w.close()  # not reached while aiohttp's write is as read above; fail loudly if it changes
+        raise RuntimeError("aiohttp's write suspended below the transport's high-water mark")
 
     async def send(self, obj: Any) -> None:
         # `timeout` (not wait_for, which runs the write in a task of its own): a write the client takes
@@ -388,21 +400,43 @@ class SSE:
             self.request.transport.abort()
 
 
-async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta], list[dict[str, Any] | bytes]],
-                 tail: Callable[[], list[dict[str, Any]]]) -> web.StreamResponse:
-    """Run `gen`, sending `chunks(delta)` per delta and `tail()` at the end; an error after the headers
-    went out is sent as an `{"error": ...}` event (OpenAI's convention) before `[DONE]`. A client that
-    does not take a write within `write_timeout_s` has its request stopped and its stream cut the same
-    way, with a `client_too_slow` error event."""
+async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamResponse:
+    """Run `gen`, sending `fmt.chunks(delta)` per delta and `fmt.tail()` at the end; an error after the
+    headers went out is sent as an `{"error": ...}` event (OpenAI's convention) before `[DONE]`. A
+    client that does not take a write within `write_timeout_s` has its request stopped and its stream
+    cut the same way, with a `client_too_slow` error event.
+
+    Once the headers went out, a format whose running deltas are content frames alone (`fmt.direct`:
+    one choice, no logprobs, no usage in chunks) lets the engine client's callback run the common step
+    itself (`OutputQueue.direct`): apply the output and write its frame when `write_now` can. Whatever
+    could wait or end the stream stays with this task: a write the transport cannot take at once, the
+    last output, a stop string the daemon saw, errors, the tail."""
     srv = request.app[SRV]
     sse = SSE(request, srv.cfg.server.write_timeout_s)
+    chunks = fmt.chunks
+
+    def direct(item: tuple[int, Any]) -> tuple[int, Any] | None:
+        tag, o = item
+        if type(o) is not RequestOutput or o.finished:
+            return item
+        d = gen.take(tag, o)
+        if d is None:
+            return None
+        if d.finished:  # a stop string the daemon saw: this task sends the end
+            return tag, d
+        data = b"".join(chunks(d))  # type: ignore[arg-type]  # content frames alone (`fmt.direct`)
+        if data and not sse.write_now(data):
+            return tag, d
+        srv.direct_outputs += 1
+        return None
+
     try:
         try:
             loop = asyncio.get_running_loop()
             async for d in gen.deltas():
                 for ch in chunks(d):
                     data = sse.frame(ch)
-                    if await sse.write_now(data):  # the common case, once per token: no timer, no check
+                    if sse.write_now(data):  # the common case, once per token: no timer, no check
                         continue
                     # A write that the client takes completes without suspending; one that suspends
                     # waits for the client, and the check scheduled here runs only then.
@@ -413,6 +447,8 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
                     finally:
                         gen.sink.writing = False
                         check.cancel()
+                if fmt.direct and sse.resp is not None:
+                    gen.sink.direct = direct
         except APIError as e:
             if sse.resp is None:
                 raise
@@ -421,7 +457,7 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Delta]
                 return await sse.cut(e)
             await sse.send(e.body())
             return await sse.close()
-        for ch in tail():
+        for ch in fmt.tail():
             await sse.send(ch)
         return await sse.close()
     except ClientTooSlow:
@@ -501,7 +537,7 @@ async def run_generation(request: web.Request, srv: Server, gen: Generation, req
     try:
         gen.submit()
         if req.stream:
-            return await stream(request, gen, fmt.chunks, fmt.tail)
+            return await stream(request, gen, fmt)
         await gen.run()
         return web.json_response(fmt.full(), dumps=lambda o: json.dumps(o, ensure_ascii=False))
     finally:
@@ -520,7 +556,11 @@ def _text_choice(index: int, key: str, text: str) -> dict[str, Any]:
 
 
 class _Format:
-    """Per-endpoint response shapes: chunks per delta, the stream's tail, the full response."""
+    """Per-endpoint response shapes: chunks per delta, the stream's tail, the full response. `direct`:
+    a running delta's chunks are content frames alone, so the engine client's callback may write them
+    (`stream`)."""
+
+    direct: bool
 
     def __init__(self, srv: Server, gen: Generation, req: Any, obj: str) -> None:
         self.srv, self.gen, self.req, self.obj = srv, gen, req, obj
@@ -561,6 +601,7 @@ class _completion_format(_Format):
     def __init__(self, srv: Server, gen: Generation, req: CompletionRequest) -> None:
         super().__init__(srv, gen, req, "text_completion")
         self.offsets = [0] * len(gen.choices)
+        self.direct = len(gen.choices) == 1 and req.logprobs is None and not self.continuous
 
     def _lp(self, c: Choice, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -596,6 +637,7 @@ class _chat_format(_Format):
         super().__init__(srv, gen, req, "chat.completion.chunk")
         self.started: set[int] = set()
         self.tools = con.tools if con is not None else None
+        self.direct = len(gen.choices) == 1 and not req.logprobs and not self.continuous and self.tools is None
 
     def _lp(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         return chat_logprobs(self.srv, lps) if self.req.logprobs else None
@@ -685,6 +727,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return {"prompt_logprobs": [one(x) for x in lps or []]} if params.prompt_logprobs is not None else {}
 
     class fmt:
+        direct = False  # a chunk per delta as a dict: the route's task writes them all
+
         @staticmethod
         def chunks(d: Delta) -> list[dict[str, Any] | bytes]:
             return [{"text": d.text, "token_ids": d.token_ids, "logprobs": lp(d.logprobs), "finished": d.finished,
@@ -739,7 +783,8 @@ async def debug_engine(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"state": c.state, "pid": c.engine_pid, "restarts": c.restarts, "error": c.error,
                             "inflight": c.num_inflight, "active_http": srv.active,
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
-                                       "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time()}}
+                                       "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time(),
+                                       "direct_outputs": srv.direct_outputs}}
     if c.state == "ready":
         try:
             p = await c.ping(timeout=5.0)

@@ -1,0 +1,251 @@
+"""The streaming path that runs from the engine client's callback (`stream`'s direct path), on the
+daemon's real app and a real loopback socket, with the engine process replaced by a script: what the
+daemon sends the engine is recorded, and the script's messages enter through the engine client's
+message handler, as its socket reader delivers them. So the text, the timing of each output and the
+client's behaviour are exact: a stream taken over by the callback and ended by a stop string that only
+the daemon saw, a client that reads fast and then stalls (cut with `client_too_slow` as before), n=2
+choices interleaved, an engine error and a client that leaves mid-stream, a malformed engine message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from mleagle.daemon.server import SRV, Server, create_app
+from mleagle.engine.contract.config import load_config
+from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.protocol import AbortRequest, AddRequest, Outputs, Ready, encode
+from mleagle.engine.contract.tokenizer import Tokenizer
+from tests.daemon_helpers import sse_events
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    t = Tokenizer.from_source(load_config("smollm2-135m").model)
+    assert t is not None
+    return t
+
+
+class Scripted:
+    """The daemon's app served in this process, its engine a script (`emit`) and a record (`sent`)."""
+
+    def __init__(self, srv: Server, url: str) -> None:
+        self.srv, self.url = srv, url
+        self.sent: list[Any] = []
+        srv.client._send = self.sent.append  # type: ignore[method-assign]  # the engine's request socket
+
+    async def added(self, k: int = 1) -> list[str]:
+        """The engine request ids of the first `k` requests the daemon submitted, once it has."""
+        while len(adds := [m.rid for m in self.sent if isinstance(m, AddRequest)]) < k:
+            await asyncio.sleep(0.005)
+        return adds
+
+    def aborted(self) -> set[str]:
+        return {m.rid for m in self.sent if isinstance(m, AbortRequest)}
+
+    def emit(self, *outs: RequestOutput | bytes) -> None:
+        """One engine step per argument, delivered in one callback as the socket reader does."""
+        msgs = [o if isinstance(o, bytes) else encode(Outputs(outputs=[o])) for o in outs]
+        asyncio.get_running_loop().call_soon(lambda: [self.srv.client._on_msg(m) for m in msgs])
+
+
+@pytest.fixture
+async def eng(tok: Tokenizer) -> AsyncIterator[Scripted]:
+    cfg = load_config("tiny-dummy")
+    cfg.server.stream_buffer_tokens = 64
+    app = create_app(cfg, start_engine=False)
+    srv = app[SRV]
+    c = srv.client
+    c.info = Ready(model_name="tiny-dummy", max_context_len=4096, pid=os.getpid(), vocab_size=tok.vocab_size)
+    c.tokenizer = tok
+    c.state = "ready"
+    runner = web.AppRunner(app, handler_cancellation=True)  # as the daemon runs it
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    site = web.SockSite(runner, sock)
+    await site.start()
+    yield Scripted(srv, f"http://127.0.0.1:{sock.getsockname()[1]}")
+    await runner.cleanup()
+
+
+def session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))  # a hang fails, not a timer
+
+
+def out(rid: str, ids: list[int], finished: bool = False, reason: str | None = None, **kw: Any) -> RequestOutput:
+    return RequestOutput(rid=rid, token_ids=ids, finished=finished, finish_reason=reason, **kw)
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True},
+            **kw}
+
+
+def text_of(e: dict[str, Any] | None) -> str:
+    ch = e["choices"][0] if e and e.get("choices") else {}
+    return (ch["delta"].get("content") if "delta" in ch else ch.get("text")) or ""
+
+
+async def first_text(it: AsyncIterator[Any]) -> list[Any]:
+    """The events up to the first that carries text: the response is under way, its route waits."""
+    events = [await it.__anext__()]
+    while not text_of(events[-1]):
+        events.append(await it.__anext__())
+    return events
+
+
+async def test_stop_string_the_daemon_sees_in_the_callback_ends_the_stream_and_aborts(eng: Scripted, tok: Tokenizer) -> None:
+    """The first output goes out through the route's task (the response starts there); the others are
+    written by the callback. The daemon's stop string completes in one of those: the choice ends there
+    (text before the stop, finish_reason "stop", usage, [DONE]) and its engine request is aborted."""
+    ids = tok.encode("Hello world, this is a STOP and nothing after it", add_special_tokens=False)
+    upto = next(k for k in range(len(ids)) if "STOP" in tok.decode(ids[:k]))  # the token that completes it
+    async with session() as s:
+        req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat(stop=["STOP"])))
+        rid = (await eng.added())[0]
+        eng.emit(out(rid, ids[:1]))  # the response's headers go out with the first delta
+        r = await req
+        assert r.status == 200
+        it = sse_events(r.content)
+        events = await first_text(it)
+        eng.emit(*(out(rid, [i]) for i in ids[1:]))  # the engine does not act on the stop string
+        events += [e async for e in it]
+    assert events[-1] is None
+    assert "".join(map(text_of, events)) == "Hello world, this is a "
+    fins = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+    assert fins[-1] == "stop" and fins.count("stop") == 1
+    assert events[-2]["usage"]["completion_tokens"] == upto
+    assert eng.aborted() == {rid}
+    assert eng.srv.direct_outputs > 0  # the callback wrote frames
+
+
+async def test_a_client_that_reads_fast_then_stalls_is_cut(eng: Scripted, tok: Tokenizer) -> None:
+    """A single-choice stream (the callback's case) whose client reads its first frames and then stops
+    reading, on a socket with a tiny receive buffer: once the kernel's buffers and the transport's are
+    full, the route's task holds the writes, more than `stream_buffer_tokens` wait, and the request is
+    aborted; the client then reads what was produced, a `client_too_slow` error event and [DONE]."""
+    hashes = tok.encode("#" * 80, add_special_tokens=False)
+    assert len(hashes) == 1
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    host, port = eng.url.removeprefix("http://").split(":")
+    await loop.sock_connect(sock, (host, int(port)))
+    body = json.dumps({"prompt": "hi", "stream": True, "max_tokens": 4000}).encode()
+    await loop.sock_sendall(sock, f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    rid = (await eng.added())[0]
+    data = b""
+    try:
+        for _ in range(3):  # a fast client: each frame read as it comes
+            eng.emit(out(rid, hashes * 16))
+            while data.count(b"data: ") < _ + 1:
+                data += await loop.sock_recv(sock, 65536)
+        emitted = 3
+        while rid not in eng.aborted():  # the client reads nothing more: the engine steps on until cut
+            assert emitted < 100_000, "never cut"
+            eng.emit(out(rid, hashes * 16))
+            emitted += 1
+            await asyncio.sleep(0)
+        while chunk := await loop.sock_recv(sock, 1 << 16):
+            data += chunk
+    finally:
+        sock.close()
+    events = [ln[6:] for ln in data.decode().splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == "client_too_slow"
+    got = sum(map(len, map(text_of, map(json.loads, events[:-2])))) // 80
+    assert got == emitted * 16  # what the engine produced before the cut, then the error
+    assert eng.srv.direct_outputs > 3  # it had gone through the callback while the client read
+
+
+async def test_n2_choices_interleave(eng: Scripted, tok: Tokenizer) -> None:
+    """n=2 (the route's task writes every delta): the choices' outputs come interleaved and unevenly,
+    each choice's text and end arrive whole under its own index."""
+    texts = ["The first choice says this.", "And the second one, something else entirely!"]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    async with session() as s:
+        req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat(n=2)))
+        rids = await eng.added(2)
+        steps: list[RequestOutput] = []
+        for k in range(max(map(len, ids))):
+            for c in (0, 1):
+                if k < len(ids[c]):
+                    last = k == len(ids[c]) - 1
+                    steps.append(out(rids[c], ids[c][k: k + 1], last, "length" if last else None))
+        eng.emit(*steps[:3])
+        r = await req
+        eng.emit(*steps[3:])
+        events = [e async for e in sse_events(r.content)]
+    assert events[-1] is None and events[-2]["usage"]["completion_tokens"] == sum(map(len, ids))
+    for c in (0, 1):
+        mine = [e["choices"][0] for e in events[:-2] if e["choices"][0]["index"] == c]
+        assert "".join(ch["delta"].get("content") or "" for ch in mine) == texts[c]
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
+
+
+async def test_engine_error_after_direct_frames(eng: Scripted, tok: Tokenizer) -> None:
+    """Outputs the callback wrote, then the engine fails the request: the error event and [DONE]."""
+    ids = tok.encode("Some words first", add_special_tokens=False)
+    async with session() as s:
+        req = asyncio.ensure_future(s.post(eng.url + "/v1/completions", json={"prompt": "hi", "stream": True}))
+        rid = (await eng.added())[0]
+        eng.emit(out(rid, ids[:1]))
+        it = sse_events((await req).content)
+        events = await first_text(it)
+        eng.emit(*(out(rid, [i]) for i in ids[1:]), out(rid, [], True, "error", error="the step failed"))
+        events += [e async for e in it]
+    assert events[-1] is None and events[-2]["error"]["message"] == "the step failed"
+    assert "Some words first".startswith("".join(map(text_of, events))) and text_of(events[1])
+    assert eng.srv.direct_outputs == len(ids) - 1
+
+
+async def test_a_client_that_leaves_mid_stream_aborts_its_request(eng: Scripted, tok: Tokenizer) -> None:
+    """The callback streams; the client goes away; the route's task is cancelled and aborts the request
+    while the callback meets a closed transport."""
+    ids = tok.encode("one two three four", add_special_tokens=False)
+    async with session() as s:
+        req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
+        rid = (await eng.added())[0]
+        eng.emit(out(rid, ids[:1]))
+        it = sse_events((await req).content)
+        await first_text(it)
+        eng.emit(*(out(rid, [i]) for i in ids[1:]))
+        while "three" not in text_of(await it.__anext__()):
+            pass
+    for _ in range(10_000):  # the engine steps on until the abort arrives
+        if rid in eng.aborted():
+            break
+        eng.emit(out(rid, ids[:1]))
+        await asyncio.sleep(0.001)
+    assert rid in eng.aborted() and eng.srv.direct_outputs >= 2
+    assert not eng.srv.gens  # the route is gone
+
+
+async def test_a_malformed_engine_message_is_dropped_with_a_log_line(eng: Scripted, tok: Tokenizer,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    ids = tok.encode("still fine", add_special_tokens=False)
+    async with session() as s:
+        req = asyncio.ensure_future(s.post(eng.url + "/v1/completions", json={"prompt": "hi", "stream": True}))
+        rid = (await eng.added())[0]
+        with caplog.at_level(logging.ERROR, "mleagle.daemon.engine"):
+            eng.emit(out(rid, ids[:1]),
+                     b'{"type":"outputs","outputs":[{"rid":"%s","token_ids":["x"]}]}' % rid.encode(),
+                     b'{"type":"outputs","outputs":[{"rid":"%s","token_ids":[1],"finished":"maybe"}]}' % rid.encode(),
+                     b"not json", b'{"type":"outputs"}',
+                     *(out(rid, [i]) for i in ids[1:]), out(rid, [], True, "length"))
+            events = [e async for e in sse_events((await req).content)]
+    assert "".join(map(text_of, events)) == "still fine" and events[-1] is None
+    assert sum("dropped a malformed engine message" in m for m in caplog.messages) == 4
