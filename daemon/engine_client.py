@@ -7,7 +7,8 @@ engine generation it binds a PUSH (requests) and a PULL (outputs) socket there, 
 `python -m mleagle.engine.service.process`, hands it the configuration on stdin (never a file, and
 without the API key; the key's environment variable is not inherited either) and waits for its
 `Ready`. Each request registers a sink (an asyncio queue shared by the n choices of one HTTP request)
-and gets its `RequestOutput` deltas there as `(tag, output)`; an engine-side refusal arrives as
+and gets its deltas there as `(tag, output)` (a `RequestOutput`, or a `TokenOutput` for one that is new
+tokens only); an engine-side refusal arrives as
 `(tag, EngineRequestFailed)`. If the process dies, every request in flight gets an `EngineDead`
 error at once, the state turns `dead` (so `/health` says 503), and the engine is restarted with
 backoff, or `on_fatal` is called so the server exits non-zero (`server.restart_engine = false`).
@@ -98,6 +99,19 @@ def load_tokenizer(path: str) -> Any:
     tok = Tokenizer.load(path)
     tok.decode(tok.encode_chat([{"role": "user", "content": "warm up"}]))
     return tok
+
+
+class TokenOutput:
+    """A `TokenDelta` as the engine client delivers it: read like the `RequestOutput` it stands for,
+    whose other fields are unset (class attributes here, so an instance is four slots)."""
+
+    __slots__ = ("num_cached_tokens", "num_output_tokens", "rid", "token_ids")
+    finished = False
+    logprobs = prompt_logprobs = finish_reason = matched_stop = error = spec = None
+
+    def __init__(self, rid: str, token_ids: list[int], num_output_tokens: int, num_cached_tokens: int) -> None:
+        self.rid, self.token_ids = rid, token_ids
+        self.num_output_tokens, self.num_cached_tokens = num_output_tokens, num_cached_tokens
 
 
 @dataclass
@@ -273,6 +287,8 @@ class EngineClient:
             log.error("dropped a malformed engine message: %s", e)
             return
         if isinstance(msg, Outputs):
+            for rid, ids, _, n_out, n_cached in msg.tokens:
+                self._deliver(TokenOutput(rid, ids, n_out, n_cached))
             for o in msg.outputs:
                 self._deliver(o)
         elif isinstance(msg, RequestError):
@@ -295,7 +311,7 @@ class EngineClient:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(RuntimeError(msg.message))
 
-    def _deliver(self, o: RequestOutput) -> None:
+    def _deliver(self, o: RequestOutput | TokenOutput) -> None:
         r = self.reqs.get(o.rid)
         if r is None:
             return

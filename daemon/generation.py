@@ -31,14 +31,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mleagle.daemon.detok import TextAssembler
-from mleagle.daemon.engine_client import EngineClient, EngineDead, EngineRequestFailed, EngineUnavailable
+from mleagle.daemon.engine_client import (
+    EngineClient,
+    EngineDead,
+    EngineRequestFailed,
+    EngineUnavailable,
+    TokenOutput,
+)
 from mleagle.daemon.errors import APIError
 from mleagle.daemon.metrics import Metrics
 from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
 from mleagle.engine.contract.sampling_params import SamplingParams
 
 log = logging.getLogger("mleagle.daemon")
-Item = tuple[int, Any]  # (choice index, RequestOutput | Delta | an error)
+Item = tuple[int, Any]  # (choice index, RequestOutput | TokenOutput | Delta | an error)
 
 
 @dataclass
@@ -114,7 +120,7 @@ class OutputQueue(asyncio.Queue[Item]):
 
     def _put(self, item: Item) -> None:
         super()._put(item)
-        if isinstance(item[1], (RequestOutput, Delta)):
+        if isinstance(item[1], (RequestOutput, TokenOutput, Delta)):
             self.pending += len(item[1].token_ids)
             self.check()
 
@@ -127,7 +133,7 @@ class OutputQueue(asyncio.Queue[Item]):
 
     def _get(self) -> Item:
         item = super()._get()
-        if isinstance(item[1], (RequestOutput, Delta)):
+        if isinstance(item[1], (RequestOutput, TokenOutput, Delta)):
             self.pending -= len(item[1].token_ids)
         return item
 
@@ -210,7 +216,7 @@ class Generation:
         self.fail(APIError(503, f"the client is not reading its stream: {n} generated tokens could not be sent; "
                                 "the request was stopped", code="client_too_slow"))
 
-    def _apply(self, c: Choice, o: RequestOutput) -> Delta:
+    def _apply(self, c: Choice, o: RequestOutput | TokenOutput) -> Delta:
         now = time.perf_counter()
         m = self.metrics
         n = len(o.token_ids)

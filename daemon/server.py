@@ -39,7 +39,7 @@ else:  # aiohttp's own dependency before 3.11
     from async_timeout import timeout
 
 from mleagle.daemon.body import read_json
-from mleagle.daemon.engine_client import EngineClient, EngineUnavailable
+from mleagle.daemon.engine_client import EngineClient, EngineUnavailable, TokenOutput
 from mleagle.daemon.errors import APIError, from_validation
 from mleagle.daemon.events_relay import EventsRelay
 from mleagle.daemon.generation import Choice, Delta, Generation
@@ -417,7 +417,7 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
 
     def direct(item: tuple[int, Any]) -> tuple[int, Any] | None:
         tag, o = item
-        if type(o) is not RequestOutput or o.finished:
+        if not isinstance(o, (RequestOutput, TokenOutput)) or o.finished:
             return item
         d = gen.take(tag, o)
         if d is None:

@@ -11,14 +11,15 @@ the daemon refuses an engine whose `Ready` says otherwise.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.outputs import RequestOutput, TokenDelta
 from mleagle.engine.contract.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: running deltas travel as `TokenDelta` arrays (`Outputs.tokens`)
 
 
 class _Msg(BaseModel):
@@ -75,10 +76,26 @@ class Ready(_Msg):
 
 
 class Outputs(_Msg):
-    """The deltas of one scheduler step, batched: one message per step, not per request."""
+    """The deltas of one scheduler step, batched: one message per step, not per request. `Outputs.of`
+    puts a delta that is new tokens only in `tokens` (a `TokenDelta` array) and any other in `outputs`
+    (a whole `RequestOutput`). The daemon takes `tokens` first: were a request ever to have two deltas
+    in one step, the one that says more (its last, finishing it) stays last."""
 
     type: Literal["outputs"] = "outputs"
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput] = Field(default_factory=list)
+    tokens: list[TokenDelta] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, deltas: Sequence[RequestOutput]) -> Outputs:
+        outputs: list[RequestOutput] = []
+        tokens: list[TokenDelta] = []
+        for o in deltas:
+            t = o.token_delta()
+            if t is None:
+                outputs.append(o)
+            else:
+                tokens.append(t)
+        return cls.model_construct(outputs=outputs, tokens=tokens)  # the engine's own values: no validation
 
 
 class RequestError(_Msg):

@@ -191,7 +191,7 @@ class EngineLoop:
             if o.finished:
                 self.live.discard(o.rid)
         if outs:
-            self.send(Outputs(outputs=outs))
+            self.send(Outputs.of(outs))
         self.steps += 1
         self.spent["step"] += t1 - t0
         self.spent["send_outputs"] += time.perf_counter() - t1

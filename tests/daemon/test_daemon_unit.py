@@ -45,6 +45,17 @@ def test_protocol_round_trip():
     for m in outs:
         assert decode_engine_msg(encode(m)) == m
     assert json.loads(encode(Shutdown())) == {"type": "shutdown"}  # plain JSON on the wire
+    # A step's deltas: one that is new tokens only travels as an array, the others whole; nothing is lost.
+    deltas = [RequestOutput(rid="r", token_ids=[5, 6], num_prompt_tokens=3, num_output_tokens=9, num_cached_tokens=2),
+              RequestOutput(rid="l", token_ids=[5], logprobs=[TokenLogprob(token_id=5, logprob=-0.5)]),
+              RequestOutput(rid="p", token_ids=[], prompt_logprobs=[None, TokenLogprob(token_id=1, logprob=-1.0)]),
+              RequestOutput(rid="f", token_ids=[7], finished=True, finish_reason="stop", matched_stop="x")]
+    wire = json.loads(encode(Outputs.of(deltas)))
+    assert wire["tokens"] == [["r", [5, 6], 3, 9, 2]] and [o["rid"] for o in wire["outputs"]] == ["l", "p", "f"]
+    m = decode_engine_msg(encode(Outputs.of(deltas)))
+    assert m.outputs == deltas[1:]
+    assert [RequestOutput(rid=r, token_ids=t, num_prompt_tokens=p, num_output_tokens=n, num_cached_tokens=c)
+            for r, t, p, n, c in m.tokens] == deltas[:1]
 
 
 @pytest.mark.parametrize("data", [b"", b"not json", b"[]", b'{"type": "exec", "code": "1"}',

@@ -55,7 +55,7 @@ class Scripted:
 
     def emit(self, *outs: RequestOutput | bytes) -> None:
         """One engine step per argument, delivered in one callback as the socket reader does."""
-        msgs = [o if isinstance(o, bytes) else encode(Outputs(outputs=[o])) for o in outs]
+        msgs = [o if isinstance(o, bytes) else encode(Outputs.of([o])) for o in outs]
         asyncio.get_running_loop().call_soon(lambda: [self.srv.client._on_msg(m) for m in msgs])
 
 
@@ -244,8 +244,9 @@ async def test_a_malformed_engine_message_is_dropped_with_a_log_line(eng: Script
             eng.emit(out(rid, ids[:1]),
                      b'{"type":"outputs","outputs":[{"rid":"%s","token_ids":["x"]}]}' % rid.encode(),
                      b'{"type":"outputs","outputs":[{"rid":"%s","token_ids":[1],"finished":"maybe"}]}' % rid.encode(),
-                     b"not json", b'{"type":"outputs"}',
+                     b'{"type":"outputs","tokens":[["%s",[1],0,"x",0]]}' % rid.encode(),
+                     b'{"type":"outputs","tokens":[["%s",[1]]]}' % rid.encode(), b"not json", b'{"type":"outputs","x":1}',
                      *(out(rid, [i]) for i in ids[1:]), out(rid, [], True, "length"))
             events = [e async for e in sse_events((await req).content)]
     assert "".join(map(text_of, events)) == "still fine" and events[-1] is None
-    assert sum("dropped a malformed engine message" in m for m in caplog.messages) == 4
+    assert sum("dropped a malformed engine message" in m for m in caplog.messages) == 6
