@@ -126,6 +126,31 @@ def test_streamed_text_is_chunking_independent(tok):
     assert a.push(emoji[:1]) == "" and a.push(emoji[1:]) == "🎉"
 
 
+def test_byte_level_text_is_the_incremental_detokenizers(tok):
+    """`ByteLevelText` (the daemon's detokenizer for a byte-level tokenizer) against the engine's
+    `IncrementalDetokenizer` on random token runs (characters split over tokens, special tokens, both
+    skip settings, random pushes): after each push it has sent at least as much and never half a
+    character, and in the end exactly the same text, the tokenizer's decode of the whole run."""
+    from mleagle.daemon.detok import ByteLevelText, byte_level
+    from mleagle.engine.contract.detokenizer import IncrementalDetokenizer
+
+    assert byte_level(tok)
+    rng = random.Random(1)
+    words = tok.encode("Héllo wörld — 日本語のテキスト 🎉 😀👍🏽 and plain words")
+    specials = [i for i in range(tok.vocab_size) if tok.is_special(i)]
+    for _ in range(500):
+        ids = [rng.choice([rng.randrange(tok.vocab_size), rng.choice(words), rng.choice(specials), rng.randrange(260)])
+               for _ in range(rng.randint(1, 30))]
+        for skip in (False, True):
+            ref, fast, a, b, i = IncrementalDetokenizer(tok, [1, 2], skip), ByteLevelText(tok, skip), "", "", 0
+            while i < len(ids):
+                n = rng.randint(1, 4)
+                a, b = a + ref.push(ids[i : i + n]), b + fast.push(ids[i : i + n])
+                assert b.startswith(a) and not b.endswith("\ufffd"), (ids, skip)
+                i += n
+            assert a + ref.flush() == b + fast.flush() == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
 def test_a_stream_that_fell_behind_gets_its_deltas_coalesced(tok):
     """Outputs that waited in a generation's queue come out as one delta per choice, with the same
     text and tokens as one by one; an error after them comes after what arrived before it."""
