@@ -414,7 +414,6 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
     last output, a stop string the daemon saw, errors, the tail."""
     srv = request.app[SRV]
     sse = SSE(request, srv.cfg.server.write_timeout_s)
-    chunks = fmt.chunks
 
     def direct(item: tuple[int, Any]) -> tuple[int, Any] | None:
         tag, o = item
@@ -425,7 +424,7 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
             return None
         if d.finished:  # a stop string the daemon saw: this task sends the end
             return tag, d
-        data = b"".join(chunks(d))  # type: ignore[arg-type]  # content frames alone (`fmt.direct`)
+        data = fmt.text_frame(d)
         if data and not sse.write_now(data):
             return tag, d
         srv.direct_outputs += 1
@@ -435,7 +434,7 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
         try:
             loop = asyncio.get_running_loop()
             async for d in gen.deltas():
-                for ch in chunks(d):
+                for ch in fmt.chunks(d):
                     data = sse.frame(ch)
                     if sse.write_now(data):  # the common case, once per token: no timer, no check
                         continue
@@ -558,10 +557,11 @@ def _text_choice(index: int, key: str, text: str) -> dict[str, Any]:
 
 class _Format:
     """Per-endpoint response shapes: chunks per delta, the stream's tail, the full response. `direct`:
-    a running delta's chunks are content frames alone, so the engine client's callback may write them
-    (`stream`)."""
+    a running delta's chunks are its content frame alone (`text_frame`), so the engine client's
+    callback may write it (`stream`)."""
 
     direct: bool
+    key: str  # the text's field in a chunk's choice: "content" (in the chat delta) or "text"
 
     def __init__(self, srv: Server, gen: Generation, req: Any, obj: str) -> None:
         self.srv, self.gen, self.req, self.obj = srv, gen, req, obj
@@ -594,6 +594,10 @@ class _Format:
         # building a JSONEncoder per call (0.8 -> 0.1 us).
         return fix[0] + encode_basestring(text).encode() + fix[1]
 
+    def text_frame(self, d: Delta) -> bytes:
+        """A running delta's SSE bytes where `direct` holds (what `chunks` would give, without the list)."""
+        return self.content_frame(d.choice.index, self.key, d.text) if d.text else b""
+
     def tail(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
@@ -601,6 +605,8 @@ class _Format:
 
 
 class _completion_format(_Format):
+    key = "text"
+
     def __init__(self, srv: Server, gen: Generation, req: CompletionRequest) -> None:
         super().__init__(srv, gen, req, "text_completion")
         self.offsets = [0] * len(gen.choices)
@@ -626,7 +632,7 @@ class _completion_format(_Format):
         if not d.text and not d.finished and not (d.logprobs and self.req.logprobs is not None):
             return []
         if not d.finished and self.req.logprobs is None and not self.continuous:
-            return [self.content_frame(d.choice.index, "text", d.text)]
+            return [self.content_frame(d.choice.index, self.key, d.text)]
         return [self.chunk(self._choice(d.choice, d.text, d.logprobs, d.choice.finish_reason if d.finished else None))]
 
     def full(self) -> dict[str, Any]:
@@ -636,6 +642,8 @@ class _completion_format(_Format):
 
 
 class _chat_format(_Format):
+    key = "content"
+
     def __init__(self, srv: Server, gen: Generation, req: ChatRequest, con: Constraint | None = None) -> None:
         super().__init__(srv, gen, req, "chat.completion.chunk")
         self.started: set[int] = set()
@@ -650,7 +658,8 @@ class _chat_format(_Format):
         return "tool_calls" if self.tools is not None and c.finish_reason == "stop" else c.finish_reason
 
     def chunks(self, d: Delta) -> list[dict[str, Any] | bytes]:
-        c, out = d.choice, list[dict[str, Any] | bytes]()
+        c = d.choice
+        out: list[dict[str, Any] | bytes] = []
         if c.index not in self.started:
             self.started.add(c.index)
             out.append(self.chunk({"index": c.index, "delta": {"role": "assistant", "content": "" if self.tools is None else None},
@@ -662,7 +671,7 @@ class _chat_format(_Format):
                 out.append(self.chunk({"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
                                        "finish_reason": None}))
         elif d.text and not self.req.logprobs and not self.continuous:
-            out.append(self.content_frame(c.index, "content", d.text))
+            out.append(self.content_frame(c.index, self.key, d.text))
         elif d.text or (d.logprobs and self.req.logprobs):
             out.append(self.chunk({"index": c.index, "delta": {"content": d.text}, "logprobs": self._lp(d.logprobs),
                                    "finish_reason": None}))

@@ -41,3 +41,19 @@ def test_the_fixed_frame_equals_the_dict_frame(kind: str, opts: dict[str, Any] |
             assert got.startswith(b"data: ") and got.endswith(b"\n\n")
             assert json.loads(got[6:-2]) == json.loads(want[6:-2])
             assert list(json.loads(got[6:-2])) == list(json.loads(want[6:-2]))  # same key order too
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+@pytest.mark.parametrize("opts", [None, {"include_usage": True}], ids=["plain", "usage-at-end"])
+def test_a_running_deltas_text_frame_is_its_chunks(kind: str, opts: dict[str, Any] | None) -> None:
+    """What the engine client's callback writes for a running delta (`text_frame`) is what the route's
+    task would (`chunks`), once the stream is under way (chat's role chunk went first)."""
+    from mleagle.daemon.generation import Delta
+
+    f = _fmt(kind, opts)
+    c = SimpleNamespace(index=0)
+    if kind == "chat":
+        assert f.chunks(Delta(c, "", [], [], False))  # the role chunk
+    for text in TEXTS:
+        d = Delta(c, text, [1], [], False)  # type: ignore[arg-type]
+        assert b"".join(f.chunks(d)) == f.text_frame(d)  # type: ignore[arg-type]
