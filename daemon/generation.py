@@ -223,13 +223,9 @@ class Generation:
         if n:
             if c.t_last is None:
                 m.ttft_m.observe(now - self.t0)
-            else:
-                # A speculative step emits several tokens at once: each gets its share of the wait.
-                itl = (now - c.t_last) / n
-                for _ in range(n):
-                    m.itl_m.observe(itl)
+            # A speculative step emits several tokens at once: each gets its share of the wait.
+            m.tokens.observe(n, None if c.t_last is None else (now - c.t_last) / n)
             c.t_last = now
-            m.gen_tokens_m.inc(n)
         c.token_ids.extend(o.token_ids)
         lps = o.logprobs or []
         c.logprobs.extend(lps)

@@ -18,6 +18,8 @@ never collide.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -28,6 +30,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from mleagle.engine.contract.outputs import SpecStats
 
@@ -47,11 +51,9 @@ class Metrics:
         self.http = Counter(P + "http_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused before the engine", ["reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed", lab, registry=r)
-        self.gen_tokens = Counter(P + "generation_tokens", "Generated tokens", lab, registry=r)
         self.running = Gauge(P + "num_requests_running", "Requests running in the engine", lab, registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests admitted but not yet producing tokens", lab, registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", lab, buckets=LAT_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Latency per output token after the first", lab, buckets=LAT_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency", lab, buckets=E2E_BUCKETS, registry=r)
         self.req_prompt = Histogram(P + "request_prompt_tokens", "Prompt length per request", lab, buckets=TOK_BUCKETS, registry=r)
         self.req_gen = Histogram(P + "request_generation_tokens", "Generated tokens per request", lab, buckets=TOK_BUCKETS, registry=r)
@@ -106,19 +108,15 @@ class Metrics:
         self._spec = SpecStats()
         self._layers = 0
         self.engine_restarts.inc(0)
-        self.set_model(model_name)
-
-    def set_model(self, name: str) -> None:
-        """Create the per-model series at zero, so a scrape lists every metric before any traffic."""
-        self.model = name
-        for m in (self.prompt_tokens, self.gen_tokens, self.running, self.waiting, self.ttft, self.itl, self.e2e,
-                  self.req_prompt, self.req_gen, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
-                  self.spec_accept_len, self.spec_accept_rate, self.spec_draft_time, self.spec_verify_time,
-                  self.prefix_queries, self.prefix_hits):
-            m.labels(name)
-        # The series observed per streamed token, bound once: `labels()` costs a locked dict lookup.
-        self.ttft_m, self.itl_m = self.ttft.labels(name), self.itl.labels(name)
-        self.gen_tokens_m = self.gen_tokens.labels(name)
+        self.tokens = TokenSeries(model_name)  # the series observed per streamed token
+        r.register(self.tokens)
+        # Create the per-model series at zero, so a scrape lists every metric before any traffic.
+        for m in (self.prompt_tokens, self.running, self.waiting, self.ttft, self.e2e, self.req_prompt, self.req_gen,
+                  self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_accept_len,
+                  self.spec_accept_rate, self.spec_draft_time, self.spec_verify_time, self.prefix_queries,
+                  self.prefix_hits):
+            m.labels(model_name)
+        self.ttft_m = self.ttft.labels(model_name)  # bound once: `labels()` costs a locked dict lookup
 
     def observe_finished(self, reason: str, prompt_tokens: int, gen_tokens: int, e2e: float, spec: SpecStats | None,
                          cached_tokens: int = 0) -> None:
@@ -190,6 +188,40 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TokenSeries:
+    """The two series observed per streamed token, `inter_token_latency_seconds` (a histogram) and
+    `generation_tokens` (a counter), kept as plain numbers and listed at a scrape as prometheus_client
+    lists a Histogram and a Counter (a test compares the two): an observation is a bisect and a few
+    adds (0.3 us) where Histogram.observe and Counter.inc take three locks (1.8 us), and the daemon's
+    loop pays it per token of every stream. Only the event loop touches it, observing and scraping."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.counts = [0] * (len(LAT_BUCKETS) + 1)  # per bucket (`le` the bound, the last +Inf), not cumulative
+        self.sum = 0.0
+        self.generated = 0
+
+    def observe(self, n: int, itl: float | None) -> None:
+        """`n` tokens generated; each waited `itl` seconds after the one before (None: the first ones)."""
+        self.generated += n
+        if itl is not None:
+            self.counts[bisect_left(LAT_BUCKETS, itl)] += n
+            self.sum += itl * n
+
+    def collect(self) -> Iterator[Metric]:
+        h = HistogramMetricFamily(P + "inter_token_latency_seconds", "Latency per output token after the first",
+                                  labels=["model_name"])
+        cum, total = [], 0
+        for le, k in zip([*map(floatToGoString, LAT_BUCKETS), "+Inf"], self.counts):
+            total += k
+            cum.append((le, total))
+        h.add_metric([self.model], cum, self.sum)
+        yield h
+        c = CounterMetricFamily(P + "generation_tokens", "Generated tokens", labels=["model_name"])
+        c.add_metric([self.model], self.generated)
+        yield c
 
 
 def _num(x: Any) -> float:

@@ -253,3 +253,35 @@ def test_config_for_engine_has_no_secret():
     out = cfg.for_engine()
     assert "s3cret-key" not in out and "api_key" not in out
     assert MleagleConfig.model_validate_json(out).server.api_key is None
+
+
+def test_token_series_scrape_as_prometheus_client_histogram_and_counter():
+    """`TokenSeries` (observed per streamed token) lists the same lines as prometheus_client's
+    Histogram and Counter fed the same observations (its sum adds `itl * n`, so only float rounding
+    may differ there)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from mleagle.daemon.metrics import LAT_BUCKETS, P, TokenSeries
+
+    ref = CollectorRegistry()
+    h = Histogram(P + "inter_token_latency_seconds", "Latency per output token after the first", ["model_name"],
+                  buckets=LAT_BUCKETS, registry=ref).labels("m")
+    c = Counter(P + "generation_tokens", "Generated tokens", ["model_name"], registry=ref).labels("m")
+    mine = CollectorRegistry()
+    t = TokenSeries("m")
+    mine.register(t)
+    rng = random.Random(0)
+    for itl in [None, 0.005, 0.0049, 0.0, 80.0, 100.0, None] + [rng.expovariate(100) for _ in range(500)]:
+        n = rng.randint(1, 3)
+        for _ in range(n if itl is not None else 0):
+            h.observe(itl)
+        c.inc(n)
+        t.observe(n, itl)
+    a, b = generate_latest(ref).decode().splitlines(), generate_latest(mine).decode().splitlines()
+    assert len(a) == len(b) > 20
+    for x, y in zip(a, b):
+        if "_sum{" in x:
+            name, v = x.rsplit(" ", 1)
+            assert y.startswith(name + " ") and float(y.rsplit(" ", 1)[1]) == pytest.approx(float(v))
+        else:
+            assert x == y
