@@ -251,12 +251,9 @@ def check_constrained(rank: int, res: dict[str, Any]) -> None:
             e = constrained(engine(draft, tp_size=2, tp_layout=layout, graph_emulate=True, spec_policy=policy))
             e.scheduler.overlap = True
             toks = drive(e, rank, prompts, sps)
-            m = e.worker.masked_graphs.get(0)
-            split = e.worker.masked_split
             out[f"{layout}/{draft}"] = {
                 "equal": toks == want if rank == 0 else None, "free": all_free(e),
-                "masked": sum(m.stats.replays.values()) if m is not None else 0,
-                "split": sum(split[1].stats.replays.values()) if split is not None else 0}
+                "masked": {str(d): n for d, n in e.graph_counts().get("masked", {}).get("by_depth", {}).items()}}
     res["constrained"] = out
 
 

@@ -4,15 +4,14 @@ A worker owns one `ConstrainRuntime` and calls it at a few delimited points (eac
 they move with the worker's code): `begin(reqs, flags)` when it builds a batch's flags (a batch with
 no constrained request gets its flags back unchanged and the fast paths run untouched; otherwise
 `RowFlags.constrained` takes it off the plain-greedy paths); `mask(x)` on the logits a batch samples or
-verifies from; `commit(emitted, n_emit)` once a step's tokens are
-known, which reads them to the host (the host-synchronised part) and advances each matcher; and under
-speculation `draft_logits` / `draft_accept` around every draft step. A plain greedy decode step whose
-constraints are grammars only replays a masked whole-iteration graph instead: `fill_static` writes
-every row's mask into one static device buffer before the replay, `mask` inside the graph reads it
-(`static`), and the worker commits the tokens to the matchers from the step's results on the host
-(`commit_rows`), so the step costs one replay plus the host's mask fills; under overlap scheduling the
-worker splits that step in two graphs (`TargetWorker.launch_split` / `complete`), so the fills run
-while the step's forward does.
+verifies from; `commit(emitted, n_emit)` once a step's tokens are known, which reads them to the host
+(the host-synchronised part) and advances each matcher; and under speculation `draft_logits` /
+`draft_accept` around every draft step. A greedy iteration whose constraints are grammars only runs
+on graphs instead (`TargetWorker._capture_masked`): the host writes the masks into static device
+buffers between the graphs' pieces (`fill_static`: a decode step's rows, or a verify's rows from the
+masks its drafting kept; `fill_draft_static`: a draft step's), `mask` inside a graph reads them
+(`static`), and the worker commits the tokens to the matchers from the results on the host
+(`commit_rows`).
 
 Masks: a decode or first-token row gets the mask of the matcher as it is. Draft step k (proposing
 d_{k+1}) gets the mask after the committed tokens and d_1..d_k, which the matcher accepted
@@ -24,8 +23,9 @@ speculation emits what constrained target-only decoding does (greedy) or its dis
 (sampling). A draft the grammar refuses (possible only where a draft step had nothing allowed in the
 draft's vocabulary) is rejected by its verify row, whose mask excludes it. A row with nothing allowed
 is left unmasked (softmax over nothing is NaN): a grammar that has terminated (its stop token
-accepted) or reached a dead end then refuses the token at `commit`, and `settle` ends the request,
-with "stop" or "constraint_unsatisfiable". `logit_bias` rides the same path as an additive row.
+accepted) or reached a dead end then refuses the token at the commit, whose cut (how many of the
+step's tokens the grammar took, and why the request ends: "stop" or "constraint_unsatisfiable")
+travels with that step's result to `settle`. `logit_bias` rides the same path as an additive row.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from mleagle.engine.constrain.bitmask import DeviceMask, apply_bitmask
 from mleagle.engine.sampling.processor import RowFlags
 
 FULL = -1  # an int32 word with every bit set: all 32 tokens allowed
+Cut = tuple[int, str] | None  # of a step's tokens for one request: (how many the grammar took, why it ends)
 
 
 @dataclass(eq=False)
@@ -54,8 +55,7 @@ class RequestConstraint:
     verify_masks: torch.Tensor | None = None  # [S+1, words] int32 (host): the next verify's rows
     tentative: int = 0  # draft tokens the matcher accepted tentatively (rolled back after drafting)
     alive: bool = True  # drafting: the matcher accepted every draft so far
-    last_valid: int | None = None  # of the last commit's tokens, how many the grammar took (None: all)
-    finish: str | None = None  # why the request must end now: "stop" or "constraint_unsatisfiable"
+    finish: str | None = None  # why the request ends (once a commit cut it): "stop" or "constraint_unsatisfiable"
 
 
 class ConstrainRuntime:
@@ -68,15 +68,15 @@ class ConstrainRuntime:
         self._stop_ids: list[int] = []
         self._cache: Any = None  # GrammarCache, built at the first constraint (it imports xgrammar)
         self.batch: list[RequestConstraint | None] = []
+        self.cuts: list[Cut] | None = None  # the last eager commit's (`take_cuts`)
         self._host = torch.empty(0, self.words, dtype=torch.int32)
         # Host time spent on grammar work (mask fills, accepts, rollbacks), and the steps it covered.
         self.host_s = 0.0
         self.host_steps = 0
-        # The masked whole-iteration graph's static mask buffer [rows, words] (`init_graph`), and whether
-        # the step being built (or captured) reads its masks from there instead of filling them per call.
+        # The masked graphs' static mask buffer [rows, words] (`init_graph`), and whether the step being
+        # built (or captured) reads its masks from there instead of filling them per call.
         self.gmask: torch.Tensor | None = None
-        self._static_host = torch.empty(0, self.words, dtype=torch.int32)
-        self._static_copied: torch.cuda.Event | None = None
+        self._vstage = self._dstage = _Staging(0, self.words, self.device)
         self.static = False
 
     # --- set-up ------------------------------------------------------------------------------
@@ -153,12 +153,12 @@ class ConstrainRuntime:
         if not bool(out[row].any()):
             out[row].fill_(FULL)
 
-    # --- the masked whole-iteration graph (plain greedy decode steps with grammars) -------------
-    def init_graph(self, max_bs: int) -> None:
-        """The static mask buffer a masked decode graph reads (allocated once, before its capture)."""
-        self.gmask = torch.full((max_bs, self.words), FULL, dtype=torch.int32, device=self.device)
-        self._static_host = torch.full((max_bs, self.words), FULL, dtype=torch.int32,
-                                       pin_memory=self.device.type == "cuda")
+    # --- the masked graphs (greedy iterations whose constraints are grammars only) ---------------
+    def init_graph(self, rows: int) -> None:
+        """The static mask buffer the masked graphs read, `rows` logit rows (allocated once, before capture)."""
+        self.gmask = torch.full((rows, self.words), FULL, dtype=torch.int32, device=self.device)
+        self._vstage = _Staging(rows, self.words, self.device)
+        self._dstage = _Staging(rows, self.words, self.device)
 
     def graphable(self) -> bool:
         """Can this batch's decode step replay the masked graph: grammars only (a logit bias is a
@@ -175,25 +175,31 @@ class ConstrainRuntime:
         finally:
             self.static = False
 
-    def fill_static(self, bs: int) -> None:
-        """Each row's next-token mask into the static buffer before a masked replay (pad rows allow
-        everything; their tokens are never committed)."""
+    def fill_static(self, bs: int, width: int = 1) -> None:
+        """Every row's mask into the static buffer before a masked replay: a decode step's row per request
+        (the matcher's next-token mask), or a verify's `width` rows per request, the masks its drafting
+        kept (`draft_masks`; `verify_masks`). Pad rows keep whatever they held: their tokens are never
+        committed."""
         assert self.gmask is not None
         t0 = time.perf_counter()
-        if self._static_copied is not None:  # the last fill's copy has read its host buffer
-            self._static_copied.synchronize()
-        h = self._static_host
-        h.fill_(FULL)
+        h = self._vstage.take(bs * width)
         for i, c in enumerate(self.batch[:bs]):
-            if c is not None:
+            if c is None:
+                continue
+            if width == 1:
                 self._fill(c, h, i)
-        # Non-blocking on CUDA: the host need not wait for the forward ahead of it on the stream (a split
-        # step's first half) before it launches the rest; the event says when `h` may be refilled.
-        cuda = self.device.type == "cuda"
-        self.gmask.copy_(h, non_blocking=cuda)
-        if cuda:
-            self._static_copied = torch.cuda.Event()
-            self._static_copied.record()
+            elif c.matcher is not None:
+                assert c.verify_masks is not None and c.verify_masks.shape[0] == width, "verify without drafted masks"
+                h[i * width : (i + 1) * width] = c.verify_masks
+        self._vstage.put(self.gmask)
+        self._tick(t0)
+
+    def fill_draft_static(self, k: int, bs: int, out: torch.Tensor) -> None:
+        """Draft step k's masks (`draft_masks`) into a static device buffer `out` [rows, words], for a
+        masked draft step's graph."""
+        t0 = time.perf_counter()
+        self._draft_rows(k, self._dstage.take(bs))
+        self._dstage.put(out)
         self._tick(t0)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,31 +237,47 @@ class ConstrainRuntime:
         return x + b.to(x.dtype)
 
     def commit(self, emitted: torch.Tensor, n_emit: torch.Tensor) -> None:
-        """The step's tokens, emitted [bs, W] (the first n_emit[b] valid), into each matcher. A token the
-        grammar refuses, or any token after it terminated, is cut (`settle` drops it and ends the request)."""
+        """The step's tokens, emitted [bs, W] (the first n_emit[b] valid), into each matcher; the cuts
+        wait in `cuts` for the worker to attach to the step's results (`take_cuts`)."""
         if self.static:  # a masked graph: the worker commits the tokens once they are on the host
             return
         em, ne = emitted.tolist(), n_emit.view(-1).tolist()
-        self.commit_rows([row[: int(n)] for row, n in zip(em, ne)])
+        self.cuts = self.commit_rows([row[: int(n)] for row, n in zip(em, ne)])
 
-    def commit_rows(self, rows: Sequence[Sequence[int]], batch: Sequence[RequestConstraint | None] | None = None) -> None:
+    def take_cuts(self) -> list[Cut] | None:
+        """The last `commit`'s cuts (once): they belong to the step being sent back."""
+        cuts, self.cuts = self.cuts, None
+        return cuts
+
+    def commit_rows(self, rows: Sequence[Sequence[int]],
+                    batch: Sequence[RequestConstraint | None] | None = None) -> list[Cut]:
         """`commit` from host lists: each batch row's new tokens (`batch`: the constraint states of an
-        earlier launch; default the current batch's)."""
+        earlier launch; default the current batch's). Returns each row's cut: None when the grammar took
+        every token, else (how many it took, why the request ends): a token it refuses, or any token
+        after it terminated. The cut travels with that step's result to `settle` (a later step's
+        commit may run before the scheduler applies this one). A request whose grammar has ended takes
+        nothing more."""
         t0 = time.perf_counter()
+        cuts: list[Cut] = []
         for i, c in enumerate(self.batch if batch is None else batch):
-            if c is None or c.matcher is None:
-                continue
-            m = c.matcher
-            c.last_valid = None
-            for j, t in enumerate(rows[i]):
-                if m.is_terminated():
-                    c.last_valid, c.finish = j, "stop"
-                    break
-                if not m.accept_token(int(t)):
-                    c.last_valid, c.finish = j, "constraint_unsatisfiable"
-                    break
+            cut: Cut = None
+            if c is not None and c.matcher is not None:
+                m = c.matcher
+                if c.finish is not None:
+                    cut = (0, c.finish)
+                else:
+                    for j, t in enumerate(rows[i]):
+                        if m.is_terminated():
+                            cut = (j, "stop")
+                        elif not m.accept_token(int(t)):
+                            cut = (j, "constraint_unsatisfiable")
+                        if cut is not None:
+                            c.finish = cut[1]
+                            break
+            cuts.append(cut)
         self._tick(t0)
         self.host_steps += 1
+        return cuts
 
     # --- draft steps -------------------------------------------------------------------------
     def draft_logits(self, logits: torch.Tensor, k: int, vocab_ids: torch.Tensor | None) -> torch.Tensor:
@@ -263,9 +285,20 @@ class ConstrainRuntime:
         to what the grammar allows after the committed tokens and drafts d_1..d_k. The target-vocabulary
         mask is kept as verify row k's."""
         t0 = time.perf_counter()
-        bs = len(self.batch)
-        h = self._buf(bs)
-        for i, c in enumerate(self.batch):
+        h = self._buf(len(self.batch))
+        self._draft_rows(k, h)
+        self._tick(t0)
+        allowed = self.dmask.allowed(h)
+        if vocab_ids is not None:
+            allowed = allowed[:, vocab_ids]
+        # A row with nothing allowed in the draft's vocabulary drafts unmasked (its verify row rejects it).
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        return self._bias(apply_bitmask(logits, allowed), 1, vocab_ids)
+
+    def _draft_rows(self, k: int, h: torch.Tensor) -> None:
+        """Draft step k's masks into h [bs, words] (all-allowed rows left as they are): the grammar
+        after the committed tokens and d1..dk; each is kept as the next verify's row k."""
+        for i, c in enumerate(self.batch[: h.shape[0]]):
             if c is None or c.matcher is None:
                 continue
             if k == 0:
@@ -275,21 +308,15 @@ class ConstrainRuntime:
                 self._fill(c, h, i)
                 assert c.verify_masks is not None
                 c.verify_masks[k] = h[i]
-        self._tick(t0)
-        allowed = self.dmask.allowed(h)
-        if vocab_ids is not None:
-            allowed = allowed[:, vocab_ids]
-        # A row with nothing allowed in the draft's vocabulary drafts unmasked (its verify row rejects it).
-        allowed = allowed | ~allowed.any(-1, keepdim=True)
-        return self._bias(apply_bitmask(logits, allowed), 1, vocab_ids)
 
-    def draft_accept(self, drafts: torch.Tensor, k: int) -> None:
+    def draft_accept(self, drafts: torch.Tensor | Sequence[int], k: int,
+                     batch: Sequence[RequestConstraint | None] | None = None) -> None:
         """Draft step k's tokens [bs] into the matchers, tentatively; after the last step, the bonus
-        row's mask, then the drafts rolled back."""
+        row's mask, then the drafts rolled back (`batch`: the constraint states of an earlier launch)."""
         t0 = time.perf_counter()
-        d = drafts.view(-1).tolist()
+        d = drafts.view(-1).tolist() if isinstance(drafts, torch.Tensor) else list(drafts)
         last = k == self.steps - 1
-        for i, c in enumerate(self.batch):
+        for i, c in enumerate(self.batch if batch is None else batch):
             if c is None or c.matcher is None:
                 continue
             m = c.matcher
@@ -312,15 +339,42 @@ class ConstrainRuntime:
         self.host_s += time.perf_counter() - t0
 
 
+class _Staging:
+    """A pinned host buffer for masks on their way to a static device buffer: the copy does not wait for
+    the work queued ahead of it on the stream (a forward the masks were filled beside), and its event
+    says when the host buffer may be refilled."""
+
+    def __init__(self, rows: int, words: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.full((rows, words), FULL, dtype=torch.int32, pin_memory=self.cuda and rows > 0)
+        self.copied: torch.cuda.Event | None = None
+        self.rows = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows, all-allowed, once the last copy has read them."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.rows = rows
+        h = self.host[:rows]
+        h.fill_(FULL)
+        return h
+
+    def put(self, dev: torch.Tensor) -> None:
+        dev[: self.rows].copy_(self.host[: self.rows], non_blocking=self.cuda)
+        if self.cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
 def settle(req: Any, res: Any) -> str | None:
-    """After a step, for the scheduler: drop the tokens the request's grammar refused (from its last
-    commit) from `res`, and say why the request must end (None: it goes on)."""
-    c = req.constraint
-    if c is None:
+    """After a step, for the scheduler: drop the tokens the request's grammar refused from `res` (its
+    cut, `res.grammar_cut`), and say why the request must end (None: it goes on)."""
+    cut = res.grammar_cut
+    if req.constraint is None or cut is None:
         return None
-    n, c.last_valid = c.last_valid, None
-    if n is not None and n < len(res.tokens):
+    n, why = cut
+    if n < len(res.tokens):
         del res.tokens[n:]
         if res.logprobs is not None:
             del res.logprobs[n:]
-    return c.finish
+    return why

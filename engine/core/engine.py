@@ -423,9 +423,11 @@ class Engine:
             out[r.name] = {"replays": sum(sum(g.stats.replays.values()) for g in shapes),
                            "prefill_replays": dict(sorted(x.stats.replays.items())) if x is not None else {},
                            "eager": dict(r.eager)}
-        for name, gs in (("iteration", self.worker.iter_graphs), ("masked", self.worker.masked_graphs)):
-            if gs:
-                out[name] = {"replays": sum(sum(g.stats.replays.values()) for g in gs.values())}
+        if self.worker.iter_graphs:
+            out["iteration"] = {"replays": sum(sum(g.stats.replays.values()) for g in self.worker.iter_graphs.values())}
+        if self.worker.masked_graphs:  # grammar-masked iterations by depth (one replay of each half apiece)
+            by = {d: m.replays for d, m in sorted(self.worker.masked_graphs.items())}
+            out["masked"] = {"replays": sum(by.values()), "by_depth": by}
         fill = getattr(self.worker, "fill_graph", None)
         if fill is not None:  # the draft layers' fills, all layers in one replay, by token bucket
             out["draft_fill"] = {"replays": dict(sorted(fill.stats.replays.items()))}

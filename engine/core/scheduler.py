@@ -25,8 +25,8 @@ every decoding request, the ones whose prefill just completed included (their fi
 device already), and N is finished; only then does the host read the prefill's first tokens
 (`settle_prefill`). Nothing in the step waits for the device before N+1 is queued, so an arrival costs
 the decoding requests the prefill's own time, and the whole-iteration graph keeps running.
-With a constrained request running, a grammar-masked step N+1 launches its forward half before N is
-finished and its masked half after (its masks need N's tokens in the matchers); other constrained
+With a constrained request running, a grammar-masked iteration N+1 launches its forward half before
+N is finished and the rest after (its masks need N's tokens in the matchers); other constrained
 batches do not overlap. Anything else — preemption, an abort, an iteration whose draft layers must
 first catch up (its host description needs the lengths step N sets) — first drains the step in flight.
 """

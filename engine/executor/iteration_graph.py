@@ -19,6 +19,7 @@ buffers and masking with the body run eagerly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -90,3 +91,21 @@ class IterationGraph:
             out = cap.out
         self.stats.replays[pbs] += 1
         return out[:bs], pbs
+
+
+@dataclass
+class MaskedGraphs:
+    """A grammar-masked iteration's graphs at one depth: its forward half, which needs no mask, then the
+    pieces of the rest, between which the host fills masks (one piece at depth 0: mask, sample and
+    commit; a chain of them at a drafting depth, `mleagle.engine.spec.masked_chain`)."""
+
+    forward: IterationGraph
+    rest: list[IterationGraph]
+
+    @property
+    def replays(self) -> int:
+        """Iterations run (each replays its first piece once)."""
+        return sum(self.rest[0].stats.replays.values())
+
+    def graphs(self) -> list[IterationGraph]:
+        return [self.forward, *self.rest]

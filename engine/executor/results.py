@@ -12,6 +12,7 @@ without importing a worker.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ class StepResult:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar_cut: tuple[int, str] | None = None  # a grammar took only the first n tokens, and why it ends
 
 
 class Timer:
@@ -112,15 +114,19 @@ class Pending:
     forwards: list[FwdInfo] = field(default_factory=list)  # every forward of the iteration (the target's first)
     iteration_miss: str | None = None  # why the whole-iteration graph did not run it (None: it did)
     plan: StepPlan = field(default_factory=StepPlan)  # its depth and why
-    # Replayed the masked (grammar) graph: the matchers (`cons`, the batch's constraint states) take its
-    # tokens at `finish`, on the host.
+    # Replayed grammar-masked graphs (the scheduler may keep it in flight). The matchers (`cons`, the
+    # batch's constraint states) take its tokens at `finish`, on the host; or they took them already,
+    # and `cuts` (one per request) say where they cut them. `deferred`: host work `finish` does first
+    # (a masked drafting iteration's last draft into the matchers).
     masked: bool = False
     cons: list[Any] | None = None
+    cuts: list[Any] | None = None
+    deferred: Callable[[], None] | None = None
 
 
 @dataclass
 class SplitLaunch:
-    """The forward half of a grammar-masked decode step, launched; `TargetWorker.complete` runs the rest."""
+    """The forward half of a grammar-masked iteration, launched; `TargetWorker.complete` runs the rest."""
 
     reqs: list[Req]
     rpi: torch.Tensor

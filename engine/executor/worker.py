@@ -44,7 +44,7 @@ from mleagle.engine.executor.forward_batch import (
     uniform_batch,
 )
 from mleagle.engine.executor.graph_runner import GraphRunner
-from mleagle.engine.executor.iteration_graph import IterationGraph
+from mleagle.engine.executor.iteration_graph import IterationGraph, MaskedGraphs
 from mleagle.engine.executor.results import (
     FwdInfo,
     HostView,
@@ -103,10 +103,12 @@ class TargetWorker:
         # Whole-iteration graphs (plain greedy batches), one set per iteration depth (a speculative
         # worker's policy may run 0..S draft steps); `depth` is the depth of the iteration being built.
         self.iter_graphs: dict[int, IterationGraph] = {}
-        # The same for greedy decode steps (depth 0) with grammars: the masks come from a static buffer;
-        # and that step in two halves (forward; mask + sample), for overlap (`launch_split`).
-        self.masked_graphs: dict[int, IterationGraph] = {}
-        self.masked_split: tuple[IterationGraph, IterationGraph] | None = None
+        # The same for greedy iterations whose constraints are grammars only, per depth: the forward half
+        # (its logits into `_mlogits`), then the rest in pieces between which the host fills the masks
+        # into static buffers (`_capture_masked`): while the device runs the forward, and under overlap
+        # while the step before finishes too.
+        self.masked_graphs: dict[int, MaskedGraphs] = {}
+        self._mlogits: torch.Tensor | None = None
         self.depth = 0
         self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
@@ -288,82 +290,92 @@ class TargetWorker:
         self.iter_graphs[depth] = g
         line = (f"iteration ({self.iteration_name}): buckets {g.buckets[0]}..{g.buckets[-1]} ({len(g.buckets)}), "
                 f"{g.stats.capture_mb:.0f} MiB, {g.stats.capture_s:.2f} s")
-        if depth == 0:  # a greedy decode step whose grammars mask it: the same body, masks from a static buffer
-            self.constrain.init_graph(buckets[-1])
+        return line + self._capture_masked(buckets, pool, cuda, s)
 
-            def masked(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
-                self.depth = 0
-                with self.constrain.static_masks():
-                    return self._body(rpi, live, MASKED, self.capture_view(int(rpi.shape[0])), True, None)
-
-            m = IterationGraph(self.iteration_name + " (grammar mask)", masked, meta, buckets,
-                               self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
-            why = self._try_capture("the masked iteration", m.capture, s)
-            if why is None:
-                self.masked_graphs[0] = m
-                line += f"; with grammar masks {m.stats.capture_mb:.0f} MiB, {m.stats.capture_s:.2f} s"
-                line += self._capture_split(buckets, pool, cuda, s, meta)
-            else:
-                line += f"; grammar-masked steps eager ({why})"
-        return line
-
-    def _capture_split(self, buckets: list[int], pool: object | None, cuda: bool, s: GraphSettings,
-                       meta: Callable[[int], list[RowMeta]]) -> str:
-        """The masked step in two graphs, so its masks can be filled while its forward runs: the forward
-        (logits into a static buffer) and the rest (mask, argmax, commit, pack; no forward)."""
-        self._mlogits = torch.zeros(buckets[-1], self.vocab, dtype=torch.float32, device=self.device)
+    def _capture_masked(self, buckets: list[int], pool: object | None, cuda: bool, s: GraphSettings) -> str:
+        """The grammar-masked iteration at the current depth under graphs: its forward half (the logits
+        into a static buffer; no mask needed yet), then the pieces of the rest (`_masked_pieces`),
+        between which the host fills masks while the device runs."""
+        depth, rows = self.depth, buckets[-1] * (self.full_depth + 1)
+        if self._mlogits is None:  # one static logits and mask buffer for every depth (the widest rows)
+            self._mlogits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
+            self.constrain.init_graph(rows)
+        rest = self._masked_pieces(buckets, pool, cuda)
+        if rest is None:
+            return ""
 
         def fwd(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
-            self.depth = 0
-            pbs = int(rpi.shape[0])
-            batch, out = self._decode_forward(rpi, self.capture_view(pbs), True)
-            self._mlogits[:pbs].copy_(out.logits)
-            return self._mlogits[:pbs], [self.target.row_meta(batch)]
+            self.depth = depth
+            return self._masked_forward(rpi)
 
+        def meta(pbs: int) -> list[RowMeta]:
+            self.depth = depth
+            return self.iteration_meta(pbs)[:1]
+
+        f = IterationGraph(f"{self.iteration_name}: forward (grammar masks later)", fwd, meta, buckets,
+                           self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
+        m = MaskedGraphs(f, rest)
+        for g in m.graphs():
+            why = self._try_capture(g.name, g.capture, s)
+            if why is not None:
+                return f"; grammar-masked iterations eager ({why})"
+        self.masked_graphs[depth] = m
+        mb = sum(g.stats.capture_mb for g in m.graphs())
+        return f"; with grammar masks ({len(m.graphs())} graphs a bucket) {mb:.0f} MiB"
+
+    def _masked_pieces(self, buckets: list[int], pool: object | None, cuda: bool) -> list[IterationGraph] | None:
+        """The rest of a masked decode step after its forward, one graph: mask (the static buffer),
+        sample, commit, pack."""
         def rest(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+            assert self._mlogits is not None
+            self.depth = 0
             with self.constrain.static_masks():
                 return self._decode_sample(self._mlogits[: int(rpi.shape[0])], rpi, live, MASKED, None), []
 
-        pad = self.target.binding.req_to_token.pad_row
-        f = IterationGraph("decode forward (grammar masks later)", fwd, meta, buckets, pad, self.device,
-                           emulate=not cuda, pool=pool)
-        r = IterationGraph("grammar mask + sample", rest, lambda pbs: [], buckets, pad, self.device,
-                           emulate=not cuda, pool=pool)
-        for g in (f, r):
-            why = self._try_capture(g.name, g.capture, s)
-            if why is not None:
-                return f"; split masked steps off ({why})"
-        self.masked_split = (f, r)
-        return f"; split in two for overlap {f.stats.capture_mb + r.stats.capture_mb:.0f} MiB"
+        return [IterationGraph("grammar mask + sample", rest, lambda pbs: [], buckets,
+                               self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)]
 
-    # --- a grammar-masked step in two halves (overlap scheduling with constrained requests) ---------------
+    def _masked_forward(self, rpi: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+        """A masked iteration's forward half (captured): the decode forward, its logits into `_mlogits`."""
+        assert self._mlogits is not None
+        pbs = int(rpi.shape[0])
+        batch, out = self._decode_forward(rpi, self.capture_view(pbs), True)
+        self._mlogits[:pbs].copy_(out.logits)
+        return self._mlogits[:pbs], [self.target.row_meta(batch)]
+
+    # --- a grammar-masked iteration: its forward half, then the rest once the host has the masks -----------
     def launch_split(self, reqs: list[Req], plan: StepPlan | None = None) -> SplitLaunch | None:
-        """The forward half of a masked decode step over `reqs`, replayed now while the step in flight
-        finishes; `complete` fills the masks (once the matchers have that step's tokens) and replays the
-        rest. None when the batch cannot take this path (then nothing was launched)."""
+        """The forward half of a masked iteration over `reqs`, replayed now (under overlap, while the step
+        in flight finishes); `complete` runs the rest once the matchers have that step's tokens. None
+        when the batch cannot take this path (then nothing was launched)."""
         plan = plan if plan is not None else self.plan(reqs)
-        if self.masked_split is None or plan.depth != 0 or plan.catch_up:
+        if plan.depth not in self.masked_graphs or plan.catch_up:
             return None
         flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
         flags = self.constrain.begin(reqs, flags)
-        self.depth = 0
+        self.depth = plan.depth
         if not flags.constrained or self.iteration_miss(flags, len(reqs)) is not None:
             return None
         timer = Timer(self.device)
         timer.mark()
         rpi = self.rpi_of(reqs)
-        _, pbs = self.masked_split[0].run(rpi, len(reqs))
+        _, pbs = self.masked_graphs[plan.depth].forward.run(rpi, len(reqs))
         return SplitLaunch(list(reqs), rpi, flags, timer, plan, list(self.constrain.batch), pbs)
 
     def complete(self, s: SplitLaunch) -> Pending:
-        """The second half of a split step: masks into the static buffer, then mask, sample and commit."""
-        assert self.masked_split is not None
+        """The rest of a split iteration: the masks into the static buffers, between its graphs."""
+        self.depth = s.plan.depth
         self.constrain.batch = s.cons
+        return self._complete_masked(s)
+
+    def _complete_masked(self, s: SplitLaunch) -> Pending:
+        """A masked decode step's rest: every row's mask, then mask + sample + commit; the matchers take
+        its tokens at `finish`."""
         self.constrain.fill_static(len(s.reqs))
-        packed, _ = self.masked_split[1].run(s.rpi, len(s.reqs))
+        packed, _ = self.masked_graphs[0].rest[0].run(s.rpi, len(s.reqs))
         self.forwards = self.replay_forwards(s.reqs, s.pbs)
         s.timer.mark()
-        p = self._send(s.reqs, 1, s.flags, packed, s.timer)
+        p = self._send(s.reqs, self.width, s.flags, packed, s.timer)
         p.plan, p.masked, p.cons = s.plan, True, s.cons
         return p
 
@@ -445,6 +457,7 @@ class TargetWorker:
         for res, (toks, lps) in zip(results, unpack(p)):
             res.tokens = toks
             res.logprobs = lps
+        _attach_cuts(results, p.cuts)
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
         if flags.constrained:  # constrain: grammar masks and logit bias
@@ -479,9 +492,12 @@ class TargetWorker:
         return t.pin_memory().to(self.device, non_blocking=True) if self._pinned else t
 
     def view(self, mode: ForwardMode, rpi: torch.Tensor, input_ids: torch.Tensor, width: int,
-             logit_rows: torch.Tensor, host: HostView, pruned: bool = False) -> ForwardBatch:
-        """The iteration's shared view: positions, slots and lengths from the slot state, on the device."""
-        return uniform_batch(mode, input_ids=input_ids, req_pool_indices=rpi, kv_lens=self.state.kv_len[rpi],
+             logit_rows: torch.Tensor, host: HostView, pruned: bool = False,
+             kv_lens: torch.Tensor | None = None) -> ForwardBatch:
+        """The iteration's shared view: positions, slots and lengths from the slot state (or `kv_lens`,
+        the lengths it had before this iteration's commit), on the device."""
+        kv = self.state.kv_len[rpi] if kv_lens is None else kv_lens
+        return uniform_batch(mode, input_ids=input_ids, req_pool_indices=rpi, kv_lens=kv,
                              req_to_token=self.r2t, width=width, host_kv_lens=host.kv_lens,
                              max_seq_len=host.max_seq_len, logit_rows=logit_rows, pruned=pruned, rids=host.rids)
 
@@ -499,9 +515,8 @@ class TargetWorker:
         g = self.iter_graphs.get(self.depth)
         if g is None:
             return "no iteration graph"
-        if flags.constrained:  # grammars: the masked graph, if the rest of the batch is plain greedy
-            g = self.masked_graphs.get(self.depth)
-            if g is None:
+        if flags.constrained:  # grammars: the masked graphs, if the rest of the batch is plain greedy
+            if self.depth not in self.masked_graphs:
                 return "constrained"
             if not self.constrain.graphable():
                 return "logit bias"
@@ -543,22 +558,19 @@ class TargetWorker:
         flags = self.constrain.begin(reqs, flags)  # constrain: constrained batches are never `plain`
         why = self.iteration_miss(flags, bs)
         masked = why is None and flags.constrained
-        if masked:  # the grammars' masks into the static buffer, then the masked graph
-            self.constrain.fill_static(bs)
-            with self.constrain.static_masks():
-                packed, pbs = self.masked_graphs[self.depth].run(rpi, bs)
-            self.forwards = self.replay_forwards(reqs, pbs)
-            timer.mark()
-        elif why is None:
+        if masked:  # its forward half, then the rest (the host fills the masks while the forward runs)
+            _, pbs = self.masked_graphs[self.depth].forward.run(rpi, bs)
+            p = self.complete(SplitLaunch(list(reqs), rpi, flags, timer, plan, list(self.constrain.batch), pbs))
+            p.iteration_miss = None
+            return p
+        if why is None:
             packed, pbs = self.iter_graphs[self.depth].run(rpi, bs)
             self.forwards = self.replay_forwards(reqs, pbs)
             timer.mark()  # one span: the whole iteration (nothing is timed inside a graph)
         else:
             packed, _ = self._body(rpi, None, flags, self.host_view(reqs), False, timer)
         p = self._send(reqs, self.width, flags, packed, timer)
-        p.iteration_miss, p.plan, p.masked = why, plan, masked
-        if masked:
-            p.cons = list(self.constrain.batch)
+        p.iteration_miss, p.plan = why, plan
         return p
 
     def _forward(self, r: ModelRunner, batch: ForwardBatch, eager: bool) -> ForwardOutput:
@@ -629,10 +641,14 @@ class TargetWorker:
             done.record()
         else:
             host = packed
-        return Pending(list(reqs), width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
+        p = Pending(list(reqs), width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
+        p.cuts = self.constrain.take_cuts()  # an eager commit's, made while building this step
+        return p
 
     def finish(self, p: Pending) -> list[StepResult]:
         """Wait for an iteration's results; a request preempted or finished since its launch gets none."""
+        if p.deferred is not None:
+            p.deferred()
         if p.done is not None:
             p.done.synchronize()
         self.inflight -= 1
@@ -643,8 +659,10 @@ class TargetWorker:
                 continue
             r.kv_len += len(toks)
             res.append(StepResult(toks, lps))
-        if p.masked:  # the matchers take the masked graph's tokens
-            self.constrain.commit_rows([x.tokens for x in res], p.cons)
+        cuts = p.cuts
+        if p.cons is not None:  # the matchers take the masked graph's tokens now
+            cuts = self.constrain.commit_rows([x.tokens for x in res], p.cons)
+        _attach_cuts(res, cuts)
         self.on_finish(p, res)
         return res
 
@@ -658,7 +676,7 @@ class TargetWorker:
             r.num_forwards = 0
             if r.graphs is not None:
                 r.graphs.stats.replays.clear()
-        for g in [*self.iter_graphs.values(), *self.masked_graphs.values(), *(self.masked_split or ())]:
+        for g in [*self.iter_graphs.values(), *(g for m in self.masked_graphs.values() for g in m.graphs())]:
             g.stats.replays.clear()
         for r in self.runners:
             for m in [*r.more_graphs, *([r.extend_graphs] if r.extend_graphs is not None else [])]:
@@ -677,3 +695,11 @@ class TargetWorker:
         req.draft_state = None
         req.state_slot = None
         req.epoch += 1
+
+
+def _attach_cuts(res: list[StepResult], cuts: list[Any] | None) -> None:
+    """Each result's grammar cut (from the commit of its own tokens), for the scheduler's `settle`."""
+    if cuts is not None:
+        for x, c in zip(res, cuts):
+            if x.tokens:
+                x.grammar_cut = c

@@ -35,8 +35,9 @@ Modes: `auto` (the above), `always` (depth S, the fixed behaviour), `off` (depth
 runs; its layers are not even prefilled), and `cycle` (0, 1, …, S, 0, … one per iteration: for tests
 that prove exactness through every switch). A constrained batch runs depth S in every mode but `off`
 and `auto`; `auto` costs constrained batches apart (negative buckets, their own acceptance rates) and
-chooses for them too: a greedy constrained step at depth 0 replays the grammar-masked graph, while a
-drafting one builds its masks per draft row on the host, which on a GPU can cost more than it saves.
+chooses for them too: a greedy constrained iteration replays grammar-masked graphs at depth 0 and at S
+(at S a chain of them, the host filling each draft step's masks between; `spec/masked_chain.py`), and
+the two cost what they measure.
 
 Under tensor parallelism every rank must pick the same depth, so a rank's own timings are not used:
 rank 0's are queued (`take_published`) and reach every rank, rank 0 included, through the engine's

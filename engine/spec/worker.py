@@ -73,6 +73,7 @@ from mleagle.engine.executor.forward_batch import (
     RowMeta,
     build_batch,
 )
+from mleagle.engine.executor.iteration_graph import IterationGraph
 from mleagle.engine.executor.results import (
     FwdInfo,
     HostView,
@@ -93,6 +94,7 @@ from mleagle.engine.sampling.processor import RowFlags, SamplingRows, penalize, 
 from mleagle.engine.sampling.sampler import draw, logprobs
 from mleagle.engine.spec.draft_model import MTPLayer
 from mleagle.engine.spec.fill_graph import FillGraph
+from mleagle.engine.spec.masked_chain import MaskedChain
 from mleagle.engine.spec.policy import SpecPolicy
 
 
@@ -153,6 +155,8 @@ class SpecWorker(TargetWorker):
         # Prefill spans not read yet: (timer, whether its last span is a draft prefill).
         self._prefill_timers: list[tuple[Timer, bool]] = []
         self.fill_graph: FillGraph | None = None  # every draft layer's fill in one replay (`_capture_prefill`)
+        self._mhidden: torch.Tensor | None = None  # a masked iteration's verify hidden states (`_masked_forward`)
+        self.masked_chain: MaskedChain | None = None  # a masked drafting iteration's graphs (`_masked_pieces`)
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -419,14 +423,15 @@ class SpecWorker(TargetWorker):
         return p
 
     def launch_split(self, reqs: list[Req], plan: StepPlan | None = None) -> SplitLaunch | None:
-        """A grammar-masked plain decode step (depth 0) in two halves, as the target-only worker's."""
+        """A grammar-masked iteration in two halves, at the policy's depth (none when its draft layers
+        must catch up first: that reads host lengths)."""
         plan = plan if plan is not None else self.plan(reqs)
         s = super().launch_split(reqs, plan)
         if s is not None:
             self._held = None
             for r in reqs:
                 if r.draft_state is not None:
-                    r.draft_state.depth = 0
+                    r.draft_state.depth = min(r.draft_state.depth, plan.depth)
         return s
 
     def catch_up(self, reqs: list[Req], bonus: list[int] | torch.Tensor | None = None, measure: bool = True,
@@ -536,17 +541,15 @@ class SpecWorker(TargetWorker):
         out of every state write."""
         if self.depth == 0:
             return super()._body(rpi, live, flags, host, eager, timer)  # keeps the hidden states too
-        st = self.state
-        w, bs = self.width, int(rpi.shape[0])
-        drafts = st.drafts[rpi][:, : self.depth]  # [bs, S']
-        ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
-        view = self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host)
+        view, drafts = self._verify_view(rpi, host)
         vb = self.target.bind(view)
         self.forwards = []
         out = self._forward(self.target, vb, eager)
         self.last_batch = vb
         self._keep_hidden(vb, out)
         metas = [self.target.row_meta(vb)]
+        st = self.state
+        w, bs = self.width, int(rpi.shape[0])
         if flags.plain and flags.logprobs < 0:  # the common case: fused accept + commit + pack on CUDA
             emitted, n, packed, sel = st.verify_greedy(out.logits, w, rpi, live, self._forced())
         else:
@@ -559,6 +562,49 @@ class SpecWorker(TargetWorker):
         dview = dataclasses.replace(view, mode=ForwardMode.DRAFT_EXTEND, logit_rows=sel, pruned=True)
         metas += self._draft_extend(rpi, dview, out.hidden, emitted, n, flags, timer, live, eager)
         return packed, metas
+
+    def _verify_view(self, rpi: torch.Tensor, host: HostView) -> tuple[ForwardBatch, torch.Tensor]:
+        """The iteration's verify view over [bonus, d1..dS'] per request, from the slot state, and the drafts."""
+        st = self.state
+        w, bs = self.width, int(rpi.shape[0])
+        drafts = st.drafts[rpi][:, : self.depth]  # [bs, S']
+        ids = torch.cat([st.last_tok[rpi].view(-1, 1), drafts], dim=1)
+        return self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host), drafts
+
+    # --- a grammar-masked drafting iteration under graphs (`masked_chain`) -------------------------
+    def _masked_pieces(self, buckets: list[int], pool: object | None, cuda: bool) -> list[IterationGraph] | None:
+        """After the verify forward: accept, then each draft step's forward and its masked select, as
+        a chain of graphs (`MaskedChain`). A constrained batch runs depth 0 or S, so none in between."""
+        if self.depth == 0:
+            return super()._masked_pieces(buckets, pool, cuda)
+        if self.depth != self.steps:
+            return None
+        self._mhidden = torch.zeros(buckets[-1] * self.width, self._layer(0).hidden_in_size, dtype=self.hidden_dtype,
+                                    device=self.device)
+        self.masked_chain = MaskedChain(self, buckets, pool, emulate=not cuda)
+        return self.masked_chain.pieces
+
+    def _masked_forward(self, rpi: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
+        """The verify forward: its logits into `_mlogits`, its hidden states into `_mhidden`."""
+        if self.depth == 0:
+            return super()._masked_forward(rpi)
+        assert self._mlogits is not None and self._mhidden is not None
+        view, _ = self._verify_view(rpi, self.capture_view(int(rpi.shape[0])))
+        vb = self.target.bind(view)
+        self.forwards = []
+        out = self._forward(self.target, vb, True)
+        self.last_batch = vb
+        self._keep_hidden(vb, out)
+        n = vb.num_tokens
+        self._mlogits[:n].copy_(out.logits)
+        self._mhidden[:n].copy_(out.hidden)
+        return self._mlogits[:n], [self.target.row_meta(vb)]
+
+    def _complete_masked(self, s: SplitLaunch) -> Pending:
+        if self.depth == 0:
+            return super()._complete_masked(s)
+        assert self.masked_chain is not None
+        return self.masked_chain.run(s)
 
     def _accept(self, logits: torch.Tensor, rpi: torch.Tensor, live: torch.Tensor | None, flags: RowFlags,
                 drafts: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
