@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mleagle bench structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default="drafts/smollm2-135m-mtp3")
+    p.add_argument("--policies", default="auto", help="comma-separated speculation policies, a spec engine each")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add_device_args(p, "cpu", "float32")
     p.add_argument("--prompts", type=int, default=8)
@@ -68,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = resolve_device(args.device, args.dtype)
-    engines = {"target-only": Engine(args.model, draft="none", device=device, dtype=dtype),
-               "spec": Engine(args.model, draft=args.draft, device=device, dtype=dtype)}
+    engines = {"target-only": Engine(args.model, draft="none", device=device, dtype=dtype)}
+    for pol in args.policies.split(","):
+        engines["spec" if pol == "auto" else f"spec-{pol}"] = Engine(args.model, draft=args.draft, device=device,
+                                                                     dtype=dtype, spec_policy=pol)
     tok = engines["target-only"].tokenizer
     assert tok is not None
     prompts = [tok.encode_chat([{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object."}])
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                     h0, s0 = rt.host_s, rt.host_steps
                     st = getattr(w, "stats", None)
                     v0, a0 = (st.num_verify, st.num_accepted_tokens) if st is not None else (0, 0)
+                    m0 = _masked(e)
                     toks, outs = 0, []
                     t0 = time.perf_counter()
                     for i in range(0, len(prompts), bs):
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
                     dt = time.perf_counter() - t0
                     outputs[f"{name}/{mode}/bs{bs}"] = outs
                     steps = rt.host_steps - s0
-                    run_ = {"tokens": toks, "seconds": dt, "host_s": rt.host_s - h0, "steps": steps}
+                    run_ = {"tokens": toks, "seconds": dt, "host_s": rt.host_s - h0, "steps": steps,
+                            "masked_replays": {d: n - m0.get(d, 0) for d, n in _masked(e).items()}}
                     if st is not None:
                         run_["verify"], run_["accepted"] = st.num_verify - v0, st.num_accepted_tokens - a0
                     runs.setdefault((bs, mode, name), []).append(run_)
@@ -114,14 +119,16 @@ def run(args: argparse.Namespace) -> int:
         row = {"batch": bs, "mode": mode, "engine": name, "tokens": rs[0]["tokens"],
                "tok_s": round(statistics.median(tps), 2), "tok_s_rounds": [round(x, 2) for x in tps],
                "grammar_host_ms_per_step": round(1e3 * sum(r["host_s"] for r in rs) / steps, 3) if steps else None,
-               "grammar_steps": steps // len(rs)}
+               "grammar_steps": steps // len(rs),
+               # Iterations on the grammar-masked graphs by depth (0: decode steps; S: the masked chain), a round.
+               "masked_replays": rs[0]["masked_replays"]}
         if "verify" in rs[0]:
             nv, na = sum(r["verify"] for r in rs), sum(r["accepted"] for r in rs)
             row["accept_len"] = round((na + nv) / nv, 3) if nv else None
         rows.append(row)
     # Greedy: the speculative engine must emit what target-only does, constrained or not.
-    same = {k.split("/", 1)[1]: outputs[k] == outputs["spec/" + k.split("/", 1)[1]]
-            for k in outputs if k.startswith("target-only/")}
+    same = {f"{name}/{k.split('/', 1)[1]}": outputs[k] == outputs[f"{name}/" + k.split("/", 1)[1]]
+            for k in outputs if k.startswith("target-only/") for name in engines if name != "target-only"}
     # TTFT of one request (target-only engine): free, a new schema (compiled now), the same schema cached.
     e = engines["target-only"]
     one = SamplingParams(temperature=0, max_new_tokens=1)
@@ -153,11 +160,12 @@ def run(args: argparse.Namespace) -> int:
         "compile_ms_mean": round(1e3 * g.compile_s / g.misses, 2) if g.misses else None,
         "compile_cache": {"hits": g.hits, "misses": g.misses},
     }
-    print(f"\n{'batch':>5} {'mode':11} {'engine':11} {'tok/s':>8} {'accept':>7} {'host ms/step':>13}")
+    print(f"\n{'batch':>5} {'mode':11} {'engine':11} {'tok/s':>8} {'accept':>7} {'host ms/step':>13}  masked by depth")
     for row in rows:
         acc = f"{row['accept_len']:.2f}" if row.get("accept_len") else "-"
         host = f"{row['grammar_host_ms_per_step']:.3f}" if row["grammar_host_ms_per_step"] is not None else "-"
-        print(f"{row['batch']:>5} {row['mode']:11} {row['engine']:11} {row['tok_s']:>8.1f} {acc:>7} {host:>13}")
+        print(f"{row['batch']:>5} {row['mode']:11} {row['engine']:11} {row['tok_s']:>8.1f} {acc:>7} {host:>13}  "
+              f"{row['masked_replays'] or '-'}")
     print(f"\nTTFT median (ms): {result['ttft_ms_median']}; compile {result['compile_ms_mean']} ms per new schema")
     print(f"spec output equals target-only (greedy): {same}")
     out = Path(args.out)
@@ -165,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _masked(e: Any) -> dict[int, int]:
+    """Iterations the engine ran on its grammar-masked graphs so far, by depth."""
+    return dict(e.graph_counts().get("masked", {}).get("by_depth", {}))
 
 
 def main(argv: list[str]) -> int:
