@@ -8,10 +8,10 @@ engine generation it binds a PUSH (requests) and a PULL (outputs) socket there, 
 without the API key; the key's environment variable is not inherited either) and waits for its
 `Ready`. Each request registers a sink (an asyncio queue shared by the n choices of one HTTP request)
 and gets its deltas there as `(tag, output)` (a `RequestOutput`, or a `TokenOutput` for one that is new
-tokens only); an engine-side refusal arrives as
-`(tag, EngineRequestFailed)`. If the process dies, every request in flight gets an `EngineDead`
-error at once, the state turns `dead` (so `/health` says 503), and the engine is restarted with
-backoff, or `on_fatal` is called so the server exits non-zero (`server.restart_engine = false`).
+tokens only); an engine-side refusal arrives as `(tag, EngineRequestFailed)`. If the process dies,
+every request in flight gets an `EngineDead` error at once, the state turns `dead` (so `/health` says
+503), and the engine is restarted with backoff, or `on_fatal` is called so the server exits non-zero
+(`server.restart_engine = false`).
 A watchdog pings the engine every `ping_interval_s` (the pongs also keep pool usage and counters
 fresh); when nothing at all has come back for `ping_timeout_s` the engine is frozen (stopped,
 deadlocked, stuck in a kernel): it is killed and handled exactly like a dead one.
