@@ -53,11 +53,13 @@ class IterationGraph:
     def capture(self) -> None:
         self.nreal.fill_(0)  # every row padding: a capture changes no request's state
         seen: dict[int, list[RowMeta]] = {}
+        rows: dict[int, int] = {}
 
         def prepare(pbs: int) -> list[RowMeta]:
             self.rpi[:pbs].fill_(self.pad_row)
-            if self.emulate:  # the metadata of the forwards the body runs (on CUDA: recorded by `body`)
-                seen[pbs] = self.body(self.rpi[:pbs], self._live(pbs))[1]
+            if self.emulate:  # the forwards the body runs and its result's rows (on CUDA: from `body`)
+                out, seen[pbs] = self.body(self.rpi[:pbs], self._live(pbs))
+                rows[pbs] = out.shape[0]
             return self.meta(pbs)
 
         def body(pbs: int) -> torch.Tensor:
@@ -69,8 +71,9 @@ class IterationGraph:
             if seen.get(pbs) != meta:
                 raise MetaMismatch(f"{self.name} iteration bucket {pbs}: its forwards ran with {seen.get(pbs)}; "
                                    f"a live batch of the bucket needs {meta}")
-            if out is not None and out.shape[0] != pbs:
-                raise MetaMismatch(f"{self.name} iteration bucket {pbs}: packed result of {out.shape[0]} rows")
+            n = out.shape[0] if out is not None else rows.get(pbs, pbs)
+            if n != pbs:
+                raise MetaMismatch(f"{self.name} iteration bucket {pbs}: packed result of {n} rows")
 
         self.caps = capture_buckets(self.buckets, prepare, body, check, emulate=self.emulate, pool=self.pool,
                                     stats=self.stats)

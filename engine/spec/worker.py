@@ -598,7 +598,7 @@ class SpecWorker(TargetWorker):
         n = vb.num_tokens
         self._mlogits[:n].copy_(out.logits)
         self._mhidden[:n].copy_(out.hidden)
-        return self._mlogits[:n], [self.target.row_meta(vb)]
+        return self._mlogits[:n].view(vb.bs, self.width, -1), [self.target.row_meta(vb)]  # a row per request
 
     def _complete_masked(self, s: SplitLaunch) -> Pending:
         if self.depth == 0:
