@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mleagle.engine.constrain.bitmask import DeviceMask, apply_bitmask
@@ -52,7 +53,7 @@ class RequestConstraint:
 
     matcher: Any = None
     bias: torch.Tensor | None = None  # [V] float32 on the device, 0 where no bias
-    verify_masks: torch.Tensor | None = None  # [S+1, words] int32 (host): the next verify's rows
+    verify_masks: np.ndarray | None = None  # [S+1, words] int32: the next verify's rows (kept by its drafting)
     tentative: int = 0  # draft tokens the matcher accepted tentatively (rolled back after drafting)
     alive: bool = True  # drafting: the matcher accepted every draft so far
     finish: str | None = None  # why the request ends (once a commit cut it): "stop" or "constraint_unsatisfiable"
@@ -143,15 +144,18 @@ class ConstrainRuntime:
         h.fill_(FULL)
         return h
 
-    def _fill(self, c: RequestConstraint, out: torch.Tensor, row: int) -> None:
-        """The matcher's next-token mask into out[row]; left all-allowed when the matcher has
-        terminated or allows nothing (see the module docstring: `commit` then ends the request)."""
+    def _fill(self, c: RequestConstraint, out: torch.Tensor, row: int, view: np.ndarray | None = None) -> None:
+        """The matcher's next-token mask into out[row] (a host tensor; `view`, its numpy view, when the
+        caller has it); left all-allowed when the matcher has terminated or allows nothing (see the
+        module docstring: the commit then ends the request). The checks go through numpy: a torch op
+        on one row costs several times the matcher's own fill."""
         m = c.matcher
         if m is None or m.is_terminated():
             return
         m.fill_next_token_bitmask(out, row)
-        if not bool(out[row].any()):
-            out[row].fill_(FULL)
+        a = out.numpy() if view is None else view
+        if not a[row].any():
+            a[row] = FULL
 
     # --- the masked graphs (greedy iterations whose constraints are grammars only) ---------------
     def init_graph(self, rows: int) -> None:
@@ -183,14 +187,15 @@ class ConstrainRuntime:
         assert self.gmask is not None
         t0 = time.perf_counter()
         h = self._vstage.take(bs * width)
+        hv = h.numpy()
         for i, c in enumerate(self.batch[:bs]):
             if c is None:
                 continue
             if width == 1:
-                self._fill(c, h, i)
+                self._fill(c, h, i, hv)
             elif c.matcher is not None:
                 assert c.verify_masks is not None and c.verify_masks.shape[0] == width, "verify without drafted masks"
-                h[i * width : (i + 1) * width] = c.verify_masks
+                hv[i * width : (i + 1) * width] = c.verify_masks
         self._vstage.put(self.gmask)
         self._tick(t0)
 
@@ -213,14 +218,15 @@ class ConstrainRuntime:
         w = rows // bs
         t0 = time.perf_counter()
         h = self._buf(rows)
+        hv = h.numpy()
         for i, c in enumerate(self.batch):
             if c is None or c.matcher is None:
                 continue
             if w == 1:
-                self._fill(c, h, i)
+                self._fill(c, h, i, hv)
             else:
                 assert c.verify_masks is not None and c.verify_masks.shape[0] == w, "verify without drafted masks"
-                h[i * w : (i + 1) * w] = c.verify_masks
+                hv[i * w : (i + 1) * w] = c.verify_masks
         self._tick(t0)
         x = apply_bitmask(x, self.dmask.allowed(h))
         return self._bias(x, w)
@@ -298,16 +304,19 @@ class ConstrainRuntime:
     def _draft_rows(self, k: int, h: torch.Tensor) -> None:
         """Draft step k's masks into h [bs, words] (all-allowed rows left as they are): the grammar
         after the committed tokens and d1..dk; each is kept as the next verify's row k."""
+        hv = h.numpy()
         for i, c in enumerate(self.batch[: h.shape[0]]):
             if c is None or c.matcher is None:
                 continue
             if k == 0:
                 c.tentative, c.alive = 0, True
-                c.verify_masks = torch.full((self.steps + 1, self.words), FULL, dtype=torch.int32)
+                if c.verify_masks is None:
+                    c.verify_masks = np.empty((self.steps + 1, self.words), dtype=np.int32)
+                c.verify_masks.fill(FULL)
             if c.alive:
-                self._fill(c, h, i)
+                self._fill(c, h, i, hv)
                 assert c.verify_masks is not None
-                c.verify_masks[k] = h[i]
+                c.verify_masks[k] = hv[i]
 
     def draft_accept(self, drafts: torch.Tensor | Sequence[int], k: int,
                      batch: Sequence[RequestConstraint | None] | None = None) -> None:
@@ -328,8 +337,7 @@ class ConstrainRuntime:
             if last:
                 if c.alive:
                     assert c.verify_masks is not None
-                    row = c.verify_masks[self.steps : self.steps + 1]
-                    self._fill(c, row, 0)
+                    self._fill(c, torch.from_numpy(c.verify_masks), self.steps, c.verify_masks)
                 if c.tentative:
                     m.rollback(c.tentative)
                 c.tentative = 0

@@ -33,14 +33,22 @@ MetaFn = Callable[[int], list[RowMeta]]  # padded bs -> the metadata a live batc
 
 class IterationGraph:
     def __init__(self, name: str, body: Body, meta: MetaFn, buckets: list[int], pad_row: int,
-                 device: torch.device, emulate: bool = False, pool: object | None = None):
+                 device: torch.device, emulate: bool = False, pool: object | None = None,
+                 rows_of: IterationGraph | None = None):
         self.name, self.body, self.meta = name, body, meta
         self.buckets = sorted(set(buckets))
         self.pad_row, self.emulate, self.pool = pad_row, emulate, pool
         mb = self.buckets[-1]
-        self.rpi = torch.full((mb,), pad_row, dtype=torch.int64, device=device)
-        self.nreal = torch.zeros((), dtype=torch.int64, device=device)
-        self.ar = torch.arange(mb, device=device)
+        self.rpi: torch.Tensor
+        self.nreal: torch.Tensor
+        self.ar: torch.Tensor
+        if rows_of is not None:  # a later piece of one iteration: the same rows, set once by the first
+            assert rows_of.buckets == self.buckets
+            self.rpi, self.nreal, self.ar = rows_of.rpi, rows_of.nreal, rows_of.ar
+        else:
+            self.rpi = torch.full((mb,), pad_row, dtype=torch.int64, device=device)
+            self.nreal = torch.zeros((), dtype=torch.int64, device=device)
+            self.ar = torch.arange(mb, device=device)
         self.caps: dict[int, Capture[list[RowMeta], torch.Tensor]] = {}
         self.stats = GraphStats()
 
@@ -78,14 +86,16 @@ class IterationGraph:
         self.caps = capture_buckets(self.buckets, prepare, body, check, emulate=self.emulate, pool=self.pool,
                                     stats=self.stats)
 
-    def run(self, rpi: torch.Tensor, bs: int) -> tuple[torch.Tensor, int]:
-        """Replay for `bs` live requests (rows `rpi`); returns (packed rows [bs, K], bucket)."""
+    def run(self, rpi: torch.Tensor, bs: int, rows_set: bool = False) -> tuple[torch.Tensor, int]:
+        """Replay for `bs` live requests (rows `rpi`; `rows_set`: the piece whose rows this one shares
+        has set them for this iteration); returns (packed rows [bs, K], bucket)."""
         pbs = self.bucket(bs)
         assert pbs is not None and pbs in self.caps
         cap = self.caps[pbs]
-        self.rpi[:bs].copy_(rpi)
-        self.rpi[bs:pbs].fill_(self.pad_row)
-        self.nreal.fill_(bs)
+        if not rows_set:
+            self.rpi[:bs].copy_(rpi)
+            self.rpi[bs:pbs].fill_(self.pad_row)
+            self.nreal.fill_(bs)
         if cap.graph is None:
             out, _ = self.body(self.rpi[:pbs], self._live(pbs))
         else:

@@ -300,9 +300,6 @@ class TargetWorker:
         if self._mlogits is None:  # one static logits and mask buffer for every depth (the widest rows)
             self._mlogits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=self.device)
             self.constrain.init_graph(rows)
-        rest = self._masked_pieces(buckets, pool, cuda)
-        if rest is None:
-            return ""
 
         def fwd(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
             self.depth = depth
@@ -314,6 +311,9 @@ class TargetWorker:
 
         f = IterationGraph(f"{self.iteration_name}: forward (grammar masks later)", fwd, meta, buckets,
                            self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)
+        rest = self._masked_pieces(f, pool, cuda)
+        if rest is None:
+            return ""
         m = MaskedGraphs(f, rest)
         for g in m.graphs():
             why = self._try_capture(g.name, g.capture, s)
@@ -323,17 +323,18 @@ class TargetWorker:
         mb = sum(g.stats.capture_mb for g in m.graphs())
         return f"; with grammar masks ({len(m.graphs())} graphs a bucket) {mb:.0f} MiB"
 
-    def _masked_pieces(self, buckets: list[int], pool: object | None, cuda: bool) -> list[IterationGraph] | None:
-        """The rest of a masked decode step after its forward, one graph: mask (the static buffer),
-        sample, commit, pack."""
+    def _masked_pieces(self, fwd: IterationGraph, pool: object | None, cuda: bool) -> list[IterationGraph] | None:
+        """The rest of a masked decode step after its forward `fwd` (whose rows it shares), one graph:
+        mask (the static buffer), sample, commit, pack."""
         def rest(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
             assert self._mlogits is not None
             self.depth = 0
             with self.constrain.static_masks():
                 return self._decode_sample(self._mlogits[: int(rpi.shape[0])], rpi, live, MASKED, None), []
 
-        return [IterationGraph("grammar mask + sample", rest, lambda pbs: [], buckets,
-                               self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool)]
+        return [IterationGraph("grammar mask + sample", rest, lambda pbs: [], fwd.buckets,
+                               self.target.binding.req_to_token.pad_row, self.device, emulate=not cuda, pool=pool,
+                               rows_of=fwd)]
 
     def _masked_forward(self, rpi: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
         """A masked iteration's forward half (captured): the decode forward, its logits into `_mlogits`."""
@@ -372,7 +373,7 @@ class TargetWorker:
         """A masked decode step's rest: every row's mask, then mask + sample + commit; the matchers take
         its tokens at `finish`."""
         self.constrain.fill_static(len(s.reqs))
-        packed, _ = self.masked_graphs[0].rest[0].run(s.rpi, len(s.reqs))
+        packed, _ = self.masked_graphs[0].rest[0].run(s.rpi, len(s.reqs), rows_set=True)
         self.forwards = self.replay_forwards(s.reqs, s.pbs)
         s.timer.mark()
         p = self._send(s.reqs, self.width, s.flags, packed, s.timer)

@@ -46,11 +46,11 @@ Body = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[RowMeta]]
 
 class MaskedChain:
     # `worker` is the `SpecWorker` that owns the chain (typed Any: this module is imported by it).
-    def __init__(self, worker: Any, buckets: list[int], pool: object | None, emulate: bool) -> None:
+    def __init__(self, worker: Any, fwd: IterationGraph, pool: object | None, emulate: bool) -> None:
         w = self.w = worker
         s, dev = w.steps, w.device
         self.steps, self.width = s, s + 1
-        rows = buckets[-1]
+        rows = fwd.buckets[-1]
         heads = [w._layer(k).head.vocab_ids for k in range(s)]
         vd = max(w.vocab if v is None else int(v.shape[0]) for v in heads)
         # The static buffers between the pieces (for the largest bucket; a piece reads its bucket's rows).
@@ -62,7 +62,8 @@ class MaskedChain:
         self.d = torch.zeros(rows, dtype=torch.int64, device=dev)  # its drafts, for the host
         hid = w._layer(1).hidden_in_size if s > 1 and w.chain else 1
         self.h = torch.zeros(rows * self.width, hid, dtype=w.hidden_dtype, device=dev)  # chain: its hidden states
-        self._pinned = dev.type == "cuda"
+        # Each select's drafts on their way to the host (pinned; read before the next iteration reuses them).
+        self.dhost = torch.zeros(s, rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
 
         def piece(name: str, body: Body, meta: Callable[[int], list[RowMeta]]) -> IterationGraph:
             def run(rpi: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
@@ -73,8 +74,8 @@ class MaskedChain:
                 w.depth = s
                 return meta(pbs)
 
-            return IterationGraph(f"grammar-masked {name}", run, m, buckets, w.target.binding.req_to_token.pad_row,
-                                  dev, emulate=emulate, pool=pool)
+            return IterationGraph(f"grammar-masked {name}", run, m, fwd.buckets, w.target.binding.req_to_token.pad_row,
+                                  dev, emulate=emulate, pool=pool, rows_of=fwd)  # the rows the forward set
 
         self.accept = piece("accept", self._accept, lambda pbs: [])
         self.draft = [piece(f"draft {k}", self._draft(k), self._meta(k)) for k in range(s)]
@@ -148,20 +149,20 @@ class MaskedChain:
         w, c = self.w, self.w.constrain
         bs, rpi = len(s.reqs), s.rpi
         c.fill_static(bs, self.width)  # the verify rows' masks, kept by the drafting before
-        packed, _ = self.accept.run(rpi, bs)
+        packed, _ = self.accept.run(rpi, bs, rows_set=True)
         w.forwards = w.replay_forwards(s.reqs, s.pbs)
         p = w._send(s.reqs, self.width, s.flags, packed, s.timer)  # the result on its way (its event)
-        self.draft[0].run(rpi, bs)  # needs no mask: runs while the matchers take the accepted tokens
+        self.draft[0].run(rpi, bs, rows_set=True)  # needs no mask: runs while the matchers take the accepted tokens
         if p.done is not None:
             p.done.synchronize()
         p.cuts = c.commit_rows([toks for toks, _ in unpack(p)])
         d: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         for k in range(self.steps):
             c.fill_draft_static(k, bs, self.dmask)
-            self.select[k].run(rpi, bs)
-            d = self._to_host(bs)
+            self.select[k].run(rpi, bs, rows_set=True)
+            d = self._to_host(k, bs)
             if k + 1 < self.steps:
-                self.draft[k + 1].run(rpi, bs)
+                self.draft[k + 1].run(rpi, bs, rows_set=True)
                 c.draft_accept(self._read(d), k)  # while draft k+1's forward runs
         s.timer.mark()
         p.plan, p.masked = s.plan, True
@@ -174,11 +175,11 @@ class MaskedChain:
         p.deferred = deferred
         return p
 
-    def _to_host(self, bs: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The last select's drafts on their way to the host (behind it on the stream, not the next forward)."""
-        if not self._pinned:
-            return self.d[:bs].clone(), None
-        host = torch.empty(bs, dtype=torch.int64, pin_memory=True)
+    def _to_host(self, k: int, bs: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Select k's drafts on their way to the host (queued behind it, ahead of the next forward)."""
+        host = self.dhost[k, :bs]
+        if not host.is_pinned():
+            return host.copy_(self.d[:bs]), None
         host.copy_(self.d[:bs], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()

@@ -572,16 +572,16 @@ class SpecWorker(TargetWorker):
         return self.view(ForwardMode.TARGET_VERIFY, rpi, ids, w, self._arange(bs * w), host), drafts
 
     # --- a grammar-masked drafting iteration under graphs (`masked_chain`) -------------------------
-    def _masked_pieces(self, buckets: list[int], pool: object | None, cuda: bool) -> list[IterationGraph] | None:
+    def _masked_pieces(self, fwd: IterationGraph, pool: object | None, cuda: bool) -> list[IterationGraph] | None:
         """After the verify forward: accept, then each draft step's forward and its masked select, as
         a chain of graphs (`MaskedChain`). A constrained batch runs depth 0 or S, so none in between."""
         if self.depth == 0:
-            return super()._masked_pieces(buckets, pool, cuda)
+            return super()._masked_pieces(fwd, pool, cuda)
         if self.depth != self.steps:
             return None
-        self._mhidden = torch.zeros(buckets[-1] * self.width, self._layer(0).hidden_in_size, dtype=self.hidden_dtype,
-                                    device=self.device)
-        self.masked_chain = MaskedChain(self, buckets, pool, emulate=not cuda)
+        self._mhidden = torch.zeros(fwd.buckets[-1] * self.width, self._layer(0).hidden_in_size,
+                                    dtype=self.hidden_dtype, device=self.device)
+        self.masked_chain = MaskedChain(self, fwd, pool, emulate=not cuda)
         return self.masked_chain.pieces
 
     def _masked_forward(self, rpi: torch.Tensor) -> tuple[torch.Tensor, list[RowMeta]]:
