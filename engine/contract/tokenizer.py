@@ -142,7 +142,10 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_batch` of one text: the `tokenizers` library runs a batch with Python's GIL released
+        # (`encode` keeps it), so a thread tokenizing a prompt does not stall the daemon's event loop,
+        # and it measured faster for one text too (0.09 against 0.13 ms an MT-Bench prompt).
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -224,7 +227,7 @@ class Tokenizer:
                 # an added token's own text (specials_re is built from them), so the lookup never misses
                 ids.append(cast(int, self.tok.token_to_id(piece)))
             elif piece:
-                ids += plain.encode(_ESCAPED.sub(unescape, piece), add_special_tokens=False).ids
+                ids += plain.encode_batch([_ESCAPED.sub(unescape, piece)], add_special_tokens=False)[0].ids  # GIL released
         return ids
 
     def _plain_tokenizer(self) -> _HFTokenizer:
