@@ -61,6 +61,8 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("req_s", ("request_throughput",), "req/s"),
     ("ttft_p50_ms", ("ttft_ms", "p50"), "TTFT p50 ms"),
     ("ttft_p90_ms", ("ttft_ms", "p90"), "TTFT p90 ms"),
+    # The same after the first wave (the c requests a closed loop sends at once): a steady load's TTFT.
+    ("ttft_steady_p90_ms", ("ttft_steady_ms", "p90"), "TTFT p90 after wave ms"),
     ("itl_p50_ms", ("itl_ms", "p50"), "ITL p50 ms"),
     ("itl_p99_ms", ("itl_ms", "p99"), "ITL p99 ms"),
     # The daemon's own CPU per streamed token over the run (`bench serve`, from `/debug/engine`).
@@ -69,6 +71,7 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
 # The same from the offline replay (engine alone): what the daemon adds to latency shows beside them.
 OFFLINE_METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("offline_ttft_p90_ms", ("ttft_ms", "p90"), "offline TTFT p90 ms"),
+    ("offline_ttft_steady_p90_ms", ("ttft_steady_ms", "p90"), "offline TTFT p90 after wave ms"),
     ("offline_itl_p99_ms", ("itl_ms", "p99"), "offline ITL p99 ms"),
 ]
 SECRET_ENV = ("MLEAGLE_API_KEY",)  # the benchmark's own loopback servers run without a key
@@ -394,7 +397,8 @@ def offline_session(a: argparse.Namespace, arm: Arm, spec: dict[str, Any], tmp: 
             raise RuntimeError(f"the replay exited with {code} (its output is above)")
         raw = json.loads(out.read_text())
         for run in raw.pop("runs"):
-            res = bench_serve.summarize([bench_serve.Result(**r) for r in run["requests"]], run["duration_s"])
+            res = bench_serve.summarize([bench_serve.Result(**r) for r in run["requests"]], run["duration_s"],
+                                        run["concurrency"])
             rec["results"].append({"concurrency": run["concurrency"], "num_prompts": len(run["requests"]), **res})
             log(f"{tag}: concurrency {run['concurrency']}: {res['output_throughput']:.1f} tok/s")
         rec.update(raw)

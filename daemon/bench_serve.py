@@ -159,7 +159,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(args.rate))
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
-        summ = summarize(results, dur)
+        summ = summarize(results, dur, args.concurrency or 0)
         server: dict[str, Any] = {}
         d = await _debug(s, args.url)
         if d:
@@ -186,9 +186,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def summarize(results: list[Result], dur: float) -> dict[str, Any]:
-    """Counts, throughput and latency percentiles of one run's requests over `dur` seconds (also used
-    for `bench serve-matrix`'s offline replay, so both paths are measured by the same definitions)."""
+def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[str, Any]:
+    """Counts, throughput and latency percentiles of one run's requests (in the order they were sent)
+    over `dur` seconds (also used for `bench serve-matrix`'s offline replay, so both paths are measured
+    by the same definitions). A closed loop sends its first `first_wave` requests (its concurrency) at
+    once, a burst a steady load never has: with 4·c requests a run, that burst is a quarter of the TTFT
+    samples, so `ttft_steady_ms` gives the TTFT of the requests sent after it too."""
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
     in_tok = sum(r.prompt_tokens for r in ok)
@@ -200,7 +203,8 @@ def summarize(results: list[Result], dur: float) -> dict[str, Any]:
         "output_throughput": out_tok / d, "total_token_throughput": (out_tok + in_tok) / d,
         "prompt_tokens": in_tok, "output_tokens": out_tok,
         "mean_tokens_per_chunk": out_tok / max(1, sum(r.chunks for r in ok)),
-        "ttft_ms": pct([r.ttft for r in ok]), "itl_ms": pct([x for r in ok for x in r.itl]),
+        "ttft_ms": pct([r.ttft for r in ok]), "ttft_steady_ms": pct([r.ttft for r in results[first_wave:] if r.ok]),
+        "itl_ms": pct([x for r in ok for x in r.itl]),
         "e2e_ms": pct([r.e2e for r in ok]),
         "tpot_ms": pct([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
     }
@@ -221,7 +225,8 @@ def table(res: dict[str, Any]) -> str:
         f"{'tokens per chunk':<28}{res['mean_tokens_per_chunk']:.2f}",
         f"{'':<28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
-    for k, name in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2e_ms", "E2E (ms)")):
+    for k, name in (("ttft_ms", "TTFT (ms)"), ("ttft_steady_ms", "TTFT after the first wave"), ("itl_ms", "ITL (ms)"),
+                    ("tpot_ms", "TPOT (ms)"), ("e2e_ms", "E2E (ms)")):
         v = res[k]
         lines.append(f"{name:<28}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
     srv = res.get("server") or {}

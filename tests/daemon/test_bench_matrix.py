@@ -156,3 +156,15 @@ def test_arm_flags_are_checked_like_serve() -> None:
     for bad in ("no-equals-sign", "x=--spec-policy sometimes", "x=--max-running-requests -1"):
         with pytest.raises(ValueError):
             parse_arm(bad, [])
+
+
+def test_the_first_wave_of_a_closed_loop_is_left_out_of_the_steady_ttft() -> None:
+    """A closed loop of concurrency c sends its first c requests at once: `ttft_steady_ms` is the TTFT
+    of the requests sent after them (in sending order); failed ones count in neither."""
+    from mleagle.daemon.bench_serve import Result, summarize
+
+    rs = [Result(ok=True, ttft=0.050, e2e=0.1, output_tokens=2) for _ in range(4)]
+    rs += [Result(ok=True, ttft=0.002, e2e=0.1, output_tokens=2) for _ in range(12)] + [Result(ok=False)]
+    s = summarize(rs, 1.0, first_wave=4)
+    assert s["ttft_steady_ms"]["p90"] == pytest.approx(2.0) and s["ttft_ms"]["p90"] == pytest.approx(50.0)
+    assert summarize(rs, 1.0)["ttft_steady_ms"] == s["ttft_ms"]  # no wave: the same as every request
