@@ -44,6 +44,12 @@ of a request's target KV, and `draft_ok` (per slot, on the host) marks the cache
 is complete, so a request that hits others catches those up from the pool too. A catch-up is
 described by host lengths, so the scheduler launches it with no iteration in flight (`hold`).
 
+Structured output: every draft step is masked by its request's grammar and the verify rows by the
+masks the drafting kept (`engine/constrain/runtime.py`). A greedy iteration whose constraints are
+grammars only runs at depth 0 or S on graphs: at S as the chain of `masked_chain.py` (the host fills
+each draft step's masks while the next forward runs); any other constrained batch steps through its
+draft layers with the host's masks in between.
+
 Boundary-KV policy: **accept the staleness** (as SGLang does for MiMo-style stacks). After an
 iteration accepting n drafts, layer k's KV at the last k committed positions was computed from
 tokens that were drafts at the time; where the next verify rejects those drafts that KV stays
