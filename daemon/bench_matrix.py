@@ -471,6 +471,11 @@ def summary(runs: list[dict[str, Any]], arms: list[str], concs: list[int], base:
             row["vs_baseline"] = cell(paired(served, served, base, arm, c, reps))
             row["offline_out_tok_s"] = cell(digs(off, ("output_throughput",)))
             row["served_over_offline"] = cell(paired(served, offline, arm, arm, c, reps))
+            # The server's TTFT split (`bench serve`'s `ttft_phases`): mean per phase, and its mean over
+            # the slowest tenth of the requests, over the repeats.
+            names = [n for g in got for n in ((g.get("server") or {}).get("ttft_phases") or {}).get("phases", {})]
+            row["ttft_phases"] = {n: {k: cell(digs(got, ("server", "ttft_phases", "phases", n, k)))
+                                      for k in ("mean_ms", "slowest_tenth_mean_ms")} for n in dict.fromkeys(names)}
             rows.append(row)
     return rows
 
@@ -502,6 +507,24 @@ def table(rows: list[dict[str, Any]], base: str, offline: bool) -> str:
                       *(show(r.get(k)) for k, _, _ in OFFLINE_METRICS)]
         cells.append(str(r["failed"]))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[dict[str, Any]]) -> str:
+    """The TTFT split in the server per (concurrency, arm): each phase's mean ms, and after the slash
+    its mean over the slowest tenth of the requests (medians over the repeats); '' without splits."""
+    names = list(dict.fromkeys(n for r in rows for n in r.get("ttft_phases") or {}))
+    if not names:
+        return ""
+    lines = ["| conc | arm | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+
+    def one(ph: dict[str, Any], n: str) -> str:
+        m, sl = ((ph.get(n) or {}).get(k) for k in ("mean_ms", "slowest_tenth_mean_ms"))
+        return "-" if m is None else f"{fmt(m['median'])} / {fmt(sl['median'])}" if sl else fmt(m["median"])
+
+    for r in rows:
+        ph = r.get("ttft_phases") or {}
+        lines.append(f"| {r['concurrency']} | {r['arm']} | " + " | ".join(one(ph, n) for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -629,6 +652,10 @@ def bench_matrix_main(argv: list[str] | None = None) -> int:
     rows = summary(rep["runs"], [x.name for x in arms], concs, base)
     rep["summary"] = rows
     rep["table"] = legend(rep) + "\n\n" + table(rows, base, a.offline)
+    phases = phase_table(rows)
+    if phases:
+        rep["table"] += ("\n\nTTFT split in the server, ms: mean / mean of the slowest tenth of the requests "
+                         "(medians over the repeats)\n\n" + phases)
     save(rep, a.output)
     print(rep["table"])
     if a.markdown:

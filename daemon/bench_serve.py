@@ -123,10 +123,11 @@ def pct(xs: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(s) * 1e3, "p50": q(0.5) * 1e3, "p90": q(0.9) * 1e3, "p99": q(0.99) * 1e3}
 
 
-async def _debug(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    """The server's `/debug/engine` (empty where it is not there, e.g. another server)."""
+async def _debug(s: aiohttp.ClientSession, url: str, phases_since: int = 1 << 62) -> dict[str, Any]:
+    """The server's `/debug/engine` (empty where it is not there, e.g. another server), with the TTFT
+    splits of the requests after the one numbered `phases_since` (by default none, only the count)."""
     try:
-        async with s.get(url.rstrip("/") + "/debug/engine") as resp:
+        async with s.get(url.rstrip("/") + f"/debug/engine?phases_since={phases_since}") as resp:
             return await resp.json() if resp.status == 200 else {}
     except (aiohttp.ClientError, ValueError):
         return {}
@@ -149,7 +150,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await one(s, args, model, p)
 
-        cpu0 = (await _debug(s, args.url)).get("daemon", {}).get("cpu_s")
+        dm0 = (await _debug(s, args.url)).get("daemon", {})
+        cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
         load0 = os.getloadavg()
         t0 = time.perf_counter()
         tasks = []
@@ -161,7 +163,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         dur = time.perf_counter() - t0
         summ = summarize(results, dur, args.concurrency or 0)
         server: dict[str, Any] = {}
-        d = await _debug(s, args.url)
+        d = await _debug(s, args.url, seq0 if seq0 is not None else 1 << 62)
         if d:
             dm = d.get("daemon", {})
             out_tok = summ["output_tokens"]
@@ -171,7 +173,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             server = {"daemon_max_rss_mb": dm.get("max_rss_mb"), "engine_max_rss_mb": d.get("engine_max_rss_mb"),
                       "daemon_torch_loaded": dm.get("torch_loaded"), "daemon_cpu_s": cpu,
                       "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
-                      "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None}
+                      "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
+                      "ttft_phases": phase_summary(dm.get("ttft_phases"))}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -184,6 +187,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "server": server,
         "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
     }
+
+
+def phase_summary(ph: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The server's TTFT split (`/debug/engine`'s `ttft_phases`) over this run's requests: per phase
+    its mean, p50 and p90 in ms, and its mean over the slowest tenth of the requests (by the split's
+    total), which says what the tail of the TTFT is made of."""
+    if not ph or not ph.get("recent"):
+        return None
+    names, rows = ph["names"], [r[1:] for r in ph["recent"]]
+    totals = [sum(r) for r in rows]
+    slow = [r for _, r in sorted(zip(totals, rows), key=lambda x: -x[0])[: max(1, -(-len(rows) // 10))]]
+    out: dict[str, Any] = {"requests": len(rows), "phases": {}}
+    for i, n in enumerate([*names, "total"]):
+        xs = [r[i] for r in rows] if n != "total" else totals
+        sl = [r[i] for r in slow] if n != "total" else [sum(r) for r in slow]
+        q = pct(xs)
+        out["phases"][n] = {"mean_ms": q["mean"], "p50_ms": q["p50"], "p90_ms": q["p90"],
+                            "slowest_tenth_mean_ms": 1e3 * sum(sl) / len(sl)}
+    return out
 
 
 def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[str, Any]:
@@ -236,6 +258,13 @@ def table(res: dict[str, Any]) -> str:
         if srv.get("daemon_cpu_us_per_token") is not None:
             lines.append(f"{'daemon CPU per token (us)':<28}{srv['daemon_cpu_us_per_token']:.1f}"
                          f" ({100 * srv['daemon_cpu_share']:.0f} % of one core)")
+        ph = srv.get("ttft_phases")
+        if ph:
+            lines.append(f"TTFT split in the server, ms ({ph['requests']} requests){'mean':>10}{'p50':>10}{'p90':>10}"
+                         f"{'slow 10%':>10}")
+            for n, v in ph["phases"].items():
+                lines.append(f"  {n:<26}{v['mean_ms']:>10.2f}{v['p50_ms']:>10.2f}{v['p90_ms']:>10.2f}"
+                             f"{v['slowest_tenth_mean_ms']:>10.2f}")
     if res["errors"]:
         lines.append(f"{'errors':<28}{res['errors']}")
     return "\n".join(lines)

@@ -107,7 +107,7 @@ class TokenOutput:
 
     __slots__ = ("num_cached_tokens", "num_output_tokens", "rid", "token_ids")
     finished = False
-    logprobs = prompt_logprobs = finish_reason = matched_stop = error = spec = None
+    logprobs = prompt_logprobs = finish_reason = matched_stop = error = spec = timing = None
 
     def __init__(self, rid: str, token_ids: list[int], num_output_tokens: int, num_cached_tokens: int) -> None:
         self.rid, self.token_ids = rid, token_ids
@@ -290,6 +290,8 @@ class EngineClient:
             for rid, ids, _, n_out, n_cached in msg.tokens:
                 self._deliver(TokenOutput(rid, ids, n_out, n_cached))
             for o in msg.outputs:
+                if o.timing is not None:  # a first delta: when its step was sent, and received here
+                    o.timing += [msg.sent, time.monotonic()]
                 self._deliver(o)
         elif isinstance(msg, RequestError):
             r = self.reqs.pop(msg.rid, None)

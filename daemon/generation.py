@@ -156,7 +156,8 @@ class Delta:
 
 
 class Generation:
-    def __init__(self, client: EngineClient, metrics: Metrics, tokenizer: Any, buffer_tokens: int = 1 << 30) -> None:
+    def __init__(self, client: EngineClient, metrics: Metrics, tokenizer: Any, buffer_tokens: int = 1 << 30,
+                 t_in: float = 0.0) -> None:
         self.client = client
         self.metrics = metrics
         self.tok = tokenizer
@@ -166,6 +167,10 @@ class Generation:
         self.rid = uuid.uuid4().hex
         self.id = self.rid
         self.t0 = time.perf_counter()
+        # time.monotonic() as the request arrived (before its body was read) and as it was submitted:
+        # the daemon's marks of the TTFT split (`metrics.TtftPhases`); 0 where unknown.
+        self.t_in = t_in
+        self.t_submit = 0.0
         self.choices: list[Choice] = []
         self.sink = OutputQueue(buffer_tokens, self._overflow)
         self.prompt_tokens = 0
@@ -180,6 +185,7 @@ class Generation:
         return c
 
     def submit(self) -> None:
+        self.t_submit = time.monotonic()
         try:
             for c in self.choices:
                 self.client.add(c.rid, c.prompt_ids, c.params, self.sink, c.index)
@@ -223,6 +229,8 @@ class Generation:
         if n:
             if c.t_last is None:
                 m.ttft_m.observe(now - self.t0)
+                if o.timing is not None:
+                    m.phases.observe(self.t_in, self.t_submit, o.timing, time.monotonic())
             # A speculative step emits several tokens at once: each gets its share of the wait.
             m.tokens.observe(n, None if c.t_last is None else (now - c.t_last) / n)
             c.t_last = now

@@ -19,7 +19,9 @@ never collide.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 from prometheus_client import (
@@ -110,6 +112,8 @@ class Metrics:
         self.engine_restarts.inc(0)
         self.tokens = TokenSeries(model_name)  # the series observed per streamed token
         r.register(self.tokens)
+        self.phases = TtftPhases(model_name)  # where each request's time to first token went
+        r.register(self.phases)
         # Create the per-model series at zero, so a scrape lists every metric before any traffic.
         for m in (self.prompt_tokens, self.running, self.waiting, self.ttft, self.e2e, self.req_prompt, self.req_gen,
                   self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_accept_len,
@@ -188,6 +192,59 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# A request's time to first token, from its arrival at the daemon to its first tokens in the daemon's
+# hands, in the order it passes: the daemon reads and tokenizes it (`daemon_in`), the request reaches
+# the engine loop (`to_engine`: the IPC and a busy loop's step), waits for admission (`queue`), is
+# prefilled until its first tokens are applied (`prefill`: its prefill steps, chunks or a mixed step,
+# and reading their tokens), the rest of that step until its outputs are sent (`engine_out`), the
+# message reaches the daemon's reader (`to_daemon`), and the daemon takes the delta (`daemon_out`).
+TTFT_PHASES = ("daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out")
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class TtftPhases:
+    """`time_to_first_token_phase_seconds{phase}`: each request's TTFT split at the marks the daemon
+    and the engine stamp with `time.monotonic()` (one clock for every process of a host; the engine
+    always runs on the daemon's host), and the last `keep` requests' splits, numbered, for
+    `/debug/engine?phases_since=N` (`bench serve` reads the ones of its run: percentiles and which
+    phases the slowest requests spent their time in)."""
+
+    def __init__(self, model: str, keep: int = 4096) -> None:
+        self.model = model
+        self.seq = 0
+        self.recent: deque[list[float]] = deque(maxlen=keep)  # [seq, *phase seconds]
+        self.counts = [[0] * (len(PHASE_BUCKETS) + 1) for _ in TTFT_PHASES]
+        self.sums = [0.0] * len(TTFT_PHASES)
+
+    def observe(self, t_in: float, t_submit: float, timing: list[float], now: float) -> None:
+        """One first delta: the daemon's marks around the engine's `timing` (added, scheduled, first
+        tokens, sent, received). A mark missing (0) drops the request: its split would be wrong."""
+        marks = (t_in, t_submit, *timing, now)
+        if len(marks) != len(TTFT_PHASES) + 1 or not all(marks):
+            return
+        ph = [max(0.0, b - a) for a, b in pairwise(marks)]
+        for i, x in enumerate(ph):
+            self.counts[i][bisect_left(PHASE_BUCKETS, x)] += 1
+            self.sums[i] += x
+        self.seq += 1
+        self.recent.append([self.seq, *ph])
+
+    def since(self, seq: int) -> dict[str, Any]:
+        return {"names": list(TTFT_PHASES), "seq": self.seq, "recent": [r for r in self.recent if r[0] > seq]}
+
+    def collect(self) -> Iterator[Metric]:
+        h = HistogramMetricFamily(P + "time_to_first_token_phase_seconds",
+                                  "Time to first token by phase (daemon_in, to_engine, queue, prefill, engine_out, "
+                                  "to_daemon, daemon_out)", labels=["model_name", "phase"])
+        for name, counts, total in zip(TTFT_PHASES, self.counts, self.sums):
+            cum, n = [], 0
+            for le, k in zip([*map(floatToGoString, PHASE_BUCKETS), "+Inf"], counts):
+                n += k
+                cum.append((le, n))
+            h.add_metric([self.model, name], cum, total)
+        yield h
 
 
 class TokenSeries:

@@ -55,6 +55,7 @@ from mleagle.engine.contract.sampling_params import SamplingParams
 log = logging.getLogger("mleagle.daemon")
 SRV: web.AppKey[Server] = web.AppKey("srv")
 PUBLIC = {"/health"}
+T_IN = "mleagle.t_in"  # request key: time.monotonic() as a generation route began (the TTFT split's first mark)
 
 
 class Server:
@@ -204,8 +205,9 @@ class Server:
                 self._tok_cache[i] = s
         return s
 
-    def generation(self) -> Generation:
-        return Generation(self.client, self.metrics, self.tokenizer, self.cfg.server.stream_buffer_tokens)
+    def generation(self, request: web.Request) -> Generation:
+        return Generation(self.client, self.metrics, self.tokenizer, self.cfg.server.stream_buffer_tokens,
+                          t_in=request.get(T_IN, 0.0))
 
     def fail_inflight(self, err: APIError) -> int:
         """End every generation in flight with `err` (its stream gets the error event); returns how many."""
@@ -236,6 +238,7 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 async def admit(request: web.Request, model: type[BaseModel]) -> tuple[Server, Any]:
     """The checks every generation route starts with: body, schema, values, served model, engine up."""
+    request[T_IN] = time.monotonic()  # the first mark of the TTFT split (`metrics.TtftPhases`)
     srv = request.app[SRV]
     req = parse(model, await read_json(request, srv.cfg.server.max_body_bytes, srv.cfg.server.body_timeout_s))
     req.check()
@@ -488,7 +491,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts = [srv.check_ids(p)]  # type: ignore[arg-type]
     else:
         prompts = [srv.check_ids(x) for x in p]  # type: ignore[arg-type]
-    gen = srv.generation()
+    gen = srv.generation(request)
     gen.id = "cmpl-" + gen.id
     for ids in prompts:
         budget = srv.budget(len(ids), req.max_tokens)
@@ -523,7 +526,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     # Long conversations are tokenized off the event loop (a 1 MB prompt takes ~0.4 s).
     ids = await asyncio.to_thread(encode) if sum(len(m["content"]) for m in msgs) > 8192 else encode()
     budget = srv.budget(len(ids), req.max_completion_tokens or req.max_tokens)
-    gen = srv.generation()
+    gen = srv.generation(request)
     gen.id = "chatcmpl-" + gen.id
     for j in range(req.n):
         add_choice(gen, ids, sampling(srv, req, budget, j, con), con, j == 0)
@@ -712,7 +715,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params.max_new_tokens = srv.budget(len(ids), params.max_new_tokens if "max_new_tokens" in sp else None)
     params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
     srv.check_stops(params, "sampling_params.stop")
-    gen = srv.generation()
+    gen = srv.generation(request)
     if req.rid:
         gen.id = req.rid  # names the response only; the engine gets an id of the daemon's own
     c0 = gen.add(ids, params)
@@ -797,6 +800,12 @@ async def debug_engine(request: web.Request) -> web.Response:
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
                                        "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time(),
                                        "direct_outputs": srv.direct_outputs}}
+    since = request.query.get("phases_since")
+    if since is not None:  # the TTFT splits of the requests after the one numbered `since`
+        try:
+            body["daemon"]["ttft_phases"] = srv.metrics.phases.since(int(since))
+        except ValueError:
+            raise APIError(400, "phases_since must be an integer", param="phases_since") from None
     if c.state == "ready":
         try:
             p = await c.ping(timeout=5.0)

@@ -71,10 +71,15 @@ class RequestOutput(BaseModel):
     # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
     spec: SpecStats | None = None
+    # On a request's first delta with tokens: when the engine added it, first scheduled it and applied
+    # its first tokens, in time.monotonic() seconds (one clock for every process of a host); the daemon
+    # appends when the step's message was sent and received, and splits its TTFT by them.
+    timing: list[float] | None = None
 
     def token_delta(self) -> TokenDelta | None:
         """This delta as a `TokenDelta` when it says nothing but its new tokens (so nothing is lost)."""
         if self.finished or self.logprobs is not None or self.prompt_logprobs is not None or self.error is not None \
-                or self.spec is not None or self.finish_reason is not None or self.matched_stop is not None:
+                or self.spec is not None or self.finish_reason is not None or self.matched_stop is not None \
+                or self.timing is not None:
             return None
         return self.rid, self.token_ids, self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens

@@ -84,6 +84,7 @@ class Outputs(_Msg):
     type: Literal["outputs"] = "outputs"
     outputs: list[RequestOutput] = Field(default_factory=list)
     tokens: list[TokenDelta] = Field(default_factory=list)
+    sent: float = 0.0  # time.monotonic() as the engine process sent it (0: not stamped)
 
     @classmethod
     def of(cls, deltas: Sequence[RequestOutput]) -> Outputs:

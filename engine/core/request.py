@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,10 @@ class Req:
     # Creation order (LIFO preemption picks the newest): a counter, not a clock, so every
     # tensor-parallel rank (which creates the same requests in the same order) picks the same victim.
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))
+    # When the engine took the request, first scheduled it and applied its first token (time.monotonic,
+    # the clock every process of one host shares): the first delta carries them (`RequestOutput.timing`).
+    added_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     queued_step: int = 0  # the scheduler's step count when it joined the waiting queue (`prefill_wait`)
     spec: SpecStats | None = None

@@ -285,6 +285,7 @@ class Scheduler:
                 break
             if new:
                 if req.num_preemptions == 0:
+                    req.scheduled_time = time.monotonic()
                     req.num_cached_tokens = req.kv_len
                     self.prefix_queries += len(req.prompt_ids)
                     self.prefix_hits += req.kv_len
@@ -386,6 +387,9 @@ class Scheduler:
     def _delta(self, req: Req, res: StepResult | None = None) -> RequestOutput:
         new = req.output_ids[req.emitted :]
         lps = req.logprobs[req.emitted :] if req.params.logprobs is not None else None
+        # The first delta with tokens says when they came (the daemon splits its TTFT into phases).
+        timing = [req.added_time, req.scheduled_time or req.added_time, req.first_token_time] \
+            if new and req.emitted == 0 and req.first_token_time is not None else None
         req.emitted = len(req.output_ids)
         # The engine's own values: no validation needed per request per step (model_construct).
         return RequestOutput.model_construct(
@@ -393,5 +397,5 @@ class Scheduler:
             prompt_logprobs=res.prompt_logprobs if res is not None else None,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             error=req.error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached_tokens, spec=req.spec if req.finished else None,
+            num_cached_tokens=req.num_cached_tokens, spec=req.spec if req.finished else None, timing=timing,
         )

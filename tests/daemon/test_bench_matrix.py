@@ -73,9 +73,14 @@ def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
     assert rows["spec"]["vs_baseline"]["median"] == pytest.approx(tok["spec"] / tok["target"])
     # The table: one row per (concurrency, arm), every cell filled, the same on stdout and in the file.
     assert md.read_text().strip() in r.stdout
-    body = [ln for ln in md.read_text().splitlines() if re.match(r"\| 1 \| (target|spec) \|", ln)]
+    body = [ln for ln in md.read_text().split("TTFT split")[0].splitlines() if re.match(r"\| 1 \| (target|spec) \|", ln)]
     assert len(body) == 2 and all("| - |" not in ln for ln in body), body
     assert "| vs target |" in md.read_text() and "| served/offline |" in md.read_text()
+    # The server's TTFT split: every phase of both arms in the summary and in its own table.
+    for row in rows.values():
+        assert set(row["ttft_phases"]) >= {"daemon_in", "prefill", "to_daemon", "total"}, row["ttft_phases"]
+        assert row["ttft_phases"]["prefill"]["mean_ms"]["median"] > 0
+    assert "TTFT split in the server" in md.read_text() and "| 1 | spec | " in md.read_text().split("TTFT split")[1]
     # Both daemons and both engines are gone.
     pids = [p for x in rep["runs"] for p in x["server"]["pids"]]
     assert len(pids) >= 4 and all(gone(p) for p in pids), pids
@@ -168,3 +173,20 @@ def test_the_first_wave_of_a_closed_loop_is_left_out_of_the_steady_ttft() -> Non
     s = summarize(rs, 1.0, first_wave=4)
     assert s["ttft_steady_ms"]["p90"] == pytest.approx(2.0) and s["ttft_ms"]["p90"] == pytest.approx(50.0)
     assert summarize(rs, 1.0)["ttft_steady_ms"] == s["ttft_ms"]  # no wave: the same as every request
+
+
+def test_the_ttft_split_summary_names_what_the_slowest_tenth_spent() -> None:
+    """`phase_summary` over a run's records: per phase mean, p50 and p90, and the mean over the slowest
+    tenth by total, which is where a tail's phase shows (here: `queue`)."""
+    from mleagle.daemon.bench_serve import phase_summary
+
+    names = ["daemon_in", "queue", "prefill"]
+    fast = [[i, 0.001, 0.0, 0.002] for i in range(1, 19)]
+    slow = [[19, 0.001, 0.040, 0.002], [20, 0.001, 0.050, 0.002]]
+    s = phase_summary({"names": names, "seq": 20, "recent": fast + slow})
+    assert s is not None and s["requests"] == 20
+    q = s["phases"]["queue"]
+    assert q["mean_ms"] == pytest.approx(4.5) and q["p50_ms"] == 0.0 and q["slowest_tenth_mean_ms"] == pytest.approx(45.0)
+    assert s["phases"]["prefill"]["slowest_tenth_mean_ms"] == pytest.approx(2.0)
+    assert s["phases"]["total"]["slowest_tenth_mean_ms"] == pytest.approx(48.0)
+    assert phase_summary(None) is None and phase_summary({"names": names, "seq": 0, "recent": []}) is None

@@ -269,3 +269,42 @@ async def _stream_text(s: aiohttp.ClientSession, srv: ServerProc, q: str, n: int
                 text += c["delta"].get("content") or ""
                 finish = c["finish_reason"] or finish
     return text, finish
+
+
+async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(srv):
+    """Each request's TTFT split by the marks the daemon and the engine stamp (`metrics.TtftPhases`):
+    one record per request, every phase non-negative, a prefill that took time, and a total inside the
+    TTFT the client measured around it (the client's clock starts before the daemon's first mark and
+    stops after its last). /metrics counts them per phase; a bad `phases_since` is a 400."""
+    st, d = srv.get("/debug/engine?phases_since=1000000000")
+    assert st == 200
+    seq0 = d["daemon"]["ttft_phases"]["seq"]
+    assert d["daemon"]["ttft_phases"]["recent"] == []
+    seen: list[float] = []
+    async with aiohttp.ClientSession(headers=srv.headers) as s:
+        for q in ("Name a color.", "Name a planet.", "Name a bird."):
+            t0 = asyncio.get_running_loop().time()
+            async with s.post(srv.url + "/v1/chat/completions", json={
+                    "model": "smollm2-135m", "messages": chat_msgs(q), "max_tokens": 4, "temperature": 0,
+                    "stream": True}) as r:
+                assert r.status == 200
+                first = None
+                async for line in r.content:
+                    if first is None and line.startswith(b"data: {") and b'"content"' in line:
+                        first = asyncio.get_running_loop().time() - t0
+            seen.append(first)
+    st, d = srv.get(f"/debug/engine?phases_since={seq0}")
+    ph = d["daemon"]["ttft_phases"]
+    assert ph["names"] == ["daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out"]
+    assert [r[0] for r in ph["recent"]] == [seq0 + 1, seq0 + 2, seq0 + 3]
+    for rec, client_ttft in zip(ph["recent"], seen):
+        parts = rec[1:]
+        assert all(x >= 0 for x in parts), parts
+        assert parts[3] > 0, "the prefill took no time"
+        assert sum(parts) <= client_ttft, (parts, client_ttft)
+    st, text = srv.get("/metrics")
+    counts = {ln.split('phase="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+              if ln.startswith("mleagle:time_to_first_token_phase_seconds_count")}
+    assert set(counts) == set(ph["names"]) and min(counts.values()) >= seq0 + 3
+    st, body = srv.get("/debug/engine?phases_since=soon")
+    assert st == 400 and body["error"]["param"] == "phases_since"
