@@ -67,6 +67,8 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("itl_p99_ms", ("itl_ms", "p99"), "ITL p99 ms"),
     # The daemon's own CPU per streamed token over the run (`bench serve`, from `/debug/engine`).
     ("daemon_us_per_tok", ("server", "daemon_cpu_us_per_token"), "daemon CPU us/tok"),
+    # The load generator's own CPU share of one core: near 1, its queueing is in its TTFT and ITL.
+    ("client_cpu_share", ("client_cpu_share",), "client CPU share"),
 ]
 # The same from the offline replay (engine alone): what the daemon adds to latency shows beside them.
 OFFLINE_METRICS: list[tuple[str, tuple[str, ...], str]] = [
@@ -277,11 +279,18 @@ def parse_ints(text: str) -> list[int]:
     return xs
 
 
+def client_procs(a: argparse.Namespace, conc: int) -> int:
+    """Client processes for a run at `conc`: `--client-procs`, or by default one per 16 streams (at
+    most 4): one asyncio client parsing every chunk of 32-64 fast streams queues them itself."""
+    return a.client_procs if a.client_procs else max(1, min(4, conc // 16))
+
+
 def client_args(a: argparse.Namespace, url: str, n: int, conc: int, seed: int) -> argparse.Namespace:
     """`bench serve`'s arguments for one run, parsed by its own parser (so its defaults hold)."""
     argv = ["--url", url, "--endpoint", a.endpoint, "--dataset", a.dataset,
             "--num-prompts", str(n), "--concurrency", str(conc), "--max-tokens", str(a.max_tokens),
-            "--temperature", "0", "--seed", str(seed), "--timeout", str(a.timeout)]
+            "--temperature", "0", "--seed", str(seed), "--timeout", str(a.timeout),
+            "--client-procs", str(client_procs(a, conc))]
     if a.data_dir:
         argv += ["--data-dir", a.data_dir]
     if a.ignore_eos:
@@ -573,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="prompt order (warm-up prompts use seed + 1)")
     ap.add_argument("--offline", action="store_true",
                     help="also replay each run's prompts through the arm's engine alone (closed loop, same concurrency)")
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="bench serve --client-procs for every run (default 0: one per 16 streams, at most 4)")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to be healthy")
     ap.add_argument("--stop-timeout", type=float, default=60.0, help="seconds after SIGTERM before SIGKILL")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (bench serve --timeout)")

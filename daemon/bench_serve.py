@@ -153,15 +153,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         dm0 = (await _debug(s, args.url)).get("daemon", {})
         cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
         load0 = os.getloadavg()
-        t0 = time.perf_counter()
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(task(p)))
-            if args.rate and args.rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.rate))
-        results = await asyncio.gather(*tasks)
-        dur = time.perf_counter() - t0
+        procs = 1 if args.rate is not None else min(args.client_procs, args.concurrency or 1, len(prompts) or 1)
+        if procs > 1:
+            results, dur, shares = await asyncio.to_thread(_run_procs, args, model, prompts, procs)
+        else:
+            cpu_client0 = time.process_time()
+            t0 = time.perf_counter()
+            tasks = []
+            for p in prompts:
+                tasks.append(asyncio.create_task(task(p)))
+                if args.rate and args.rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.rate))
+            results = list(await asyncio.gather(*tasks))
+            dur = time.perf_counter() - t0
+            shares = [(time.process_time() - cpu_client0) / dur if dur > 0 else 0.0]
         summ = summarize(results, dur, args.concurrency or 0)
+        # Each client process is one asyncio loop parsing every SSE chunk: near a whole core, its own
+        # queueing is in the TTFT and ITL it reports (the server's TTFT split is not). The busiest one.
+        summ["client_procs"] = procs
+        summ["client_cpu_share"] = max(shares)
         server: dict[str, Any] = {}
         d = await _debug(s, args.url, seq0 if seq0 is not None else 1 << 62)
         if d:
@@ -208,6 +218,67 @@ def phase_summary(ph: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc: int, barrier: Any,
+                 out: Any) -> None:
+    """One client process of `--client-procs`: a closed loop over its prompts at `conc`, started with
+    the others at the barrier; puts (results, monotonic end, CPU seconds) on `out`."""
+
+    async def go() -> tuple[list[Result], float, float]:
+        timeout = aiohttp.ClientTimeout(total=args.timeout)
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        async with aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+            sem = asyncio.Semaphore(conc)
+
+            async def task(p: str) -> Result:
+                async with sem:
+                    return await one(s, args, model, p)
+
+            await asyncio.to_thread(barrier.wait)
+            cpu0 = time.process_time()
+            res = list(await asyncio.gather(*(task(p) for p in prompts)))
+            return res, time.monotonic(), time.process_time() - cpu0
+
+    try:
+        out.put(asyncio.run(go()))
+    except BaseException as e:  # the parent must hear of it rather than wait for a result
+        out.put(e)
+        raise
+
+
+def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: int) -> tuple[list[Result], float, list[float]]:
+    """The closed loop split over `procs` client processes (started, then released together): request
+    j goes to process j mod procs, the concurrency is shared out as evenly as it divides. Returns the
+    results with every process's first wave first (so `summarize`'s first wave is theirs together),
+    the wall time from the release to the last finish, and each process's CPU share of a core."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # never fork a process that runs an event loop
+    c = args.concurrency
+    concs = [c // procs + (i < c % procs) for i in range(procs)]
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    kids = [ctx.Process(target=_client_proc, args=(args, model, prompts[i::procs], concs[i], barrier, out), daemon=True)
+            for i in range(procs)]
+    for k in kids:
+        k.start()
+    try:
+        barrier.wait(timeout=120)
+        t0 = time.monotonic()
+        got = [out.get(timeout=args.timeout + 60) for _ in kids]
+    finally:
+        for k in kids:
+            k.join(timeout=10)
+            if k.is_alive():
+                k.kill()
+    errs = [g for g in got if isinstance(g, BaseException)]
+    if errs:
+        raise RuntimeError(f"a client process failed: {errs[0]!r}")
+    dur = max(end for _, end, _ in got) - t0
+    firsts = [r for (res, _, _), k in zip(got, concs) for r in res[:k]]
+    rest = [r for (res, _, _), k in zip(got, concs) for r in res[k:]]
+    return firsts + rest, dur, [cpu / dur if dur > 0 else 0.0 for _, _, cpu in got]
+
+
 def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[str, Any]:
     """Counts, throughput and latency percentiles of one run's requests (in the order they were sent)
     over `dur` seconds (also used for `bench serve-matrix`'s offline replay, so both paths are measured
@@ -245,6 +316,8 @@ def table(res: dict[str, Any]) -> str:
         f"{'output tokens/s':<28}{res['output_throughput']:.2f}",
         f"{'total tokens/s':<28}{res['total_token_throughput']:.2f}",
         f"{'tokens per chunk':<28}{res['mean_tokens_per_chunk']:.2f}",
+        f"{'client CPU (busiest proc)':<28}{100 * (res.get('client_cpu_share') or 0):.0f} % of one core"
+        f" ({res.get('client_procs', 1)} client process{'es' * (res.get('client_procs', 1) != 1)})",
         f"{'':<28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for k, name in (("ttft_ms", "TTFT (ms)"), ("ttft_steady_ms", "TTFT after the first wave"), ("itl_ms", "ITL (ms)"),
@@ -285,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="split a closed loop (--concurrency) over this many client processes, so that the load "
+                         "generator's own loop is not what a high concurrency measures")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     ap.add_argument("--per-request", action="store_true", help="include per-request figures in the JSON")
@@ -296,6 +372,10 @@ def bench_serve_main(argv: list[str] | None = None) -> int:
     args.argv = argv
     if args.rate is None and args.concurrency is None:
         args.concurrency = 8
+    if args.client_procs < 1 or (args.client_procs > 1 and args.rate is not None):
+        print("mleagle bench serve: --client-procs must be >= 1, and above 1 only for a closed loop "
+              "(--concurrency without --rate)", file=sys.stderr)
+        return 2
     try:
         res = asyncio.run(run(args))
     except (OSError, ValueError, aiohttp.ClientError) as e:

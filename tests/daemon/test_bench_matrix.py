@@ -190,3 +190,33 @@ def test_the_ttft_split_summary_names_what_the_slowest_tenth_spent() -> None:
     assert s["phases"]["prefill"]["slowest_tenth_mean_ms"] == pytest.approx(2.0)
     assert s["phases"]["total"]["slowest_tenth_mean_ms"] == pytest.approx(48.0)
     assert phase_summary(None) is None and phase_summary({"names": names, "seq": 0, "recent": []}) is None
+
+
+@pytest.mark.slow
+def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
+    """`bench serve --client-procs 2` against a real server: both processes run their share of the
+    closed loop, every request completes and is counted once, and the report says how many client
+    processes ran and how busy the busiest was."""
+    from tests.daemon_helpers import ServerProc
+
+    cfg, data, out = tmp_path / "tiny-tok.toml", tmp_path / "prompts.jsonl", tmp_path / "b.json"
+    cfg.write_text(TINY_TOK)
+    data.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in PROMPTS))
+    srv = ServerProc("--config", str(cfg), "--device", "cpu")
+    try:
+        srv.wait_healthy(60)
+        r = subprocess.run([sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", srv.url, "--dataset",
+                            str(data), "--num-prompts", "7", "--concurrency", "3", "--client-procs", "2",
+                            "--max-tokens", "4", "--ignore-eos", "--output", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        res = json.loads(out.read_text())
+        assert res["completed"] == 7 and res["failed"] == 0 and res["client_procs"] == 2
+        assert res["output_tokens"] == 7 * 4 and 0 <= res["client_cpu_share"] < 1.5
+        assert res["server"]["ttft_phases"]["requests"] == 7
+        assert "2 client processes" in r.stdout
+        bad = subprocess.run([sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", srv.url, "--rate", "2",
+                              "--client-procs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "--client-procs" in bad.stderr
+    finally:
+        assert srv.terminate() == 0, srv.log()
