@@ -221,11 +221,6 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]) if bs else torch.zeros(0, dtype=torch.int64)
     rpi = torch.tensor(req_pool_indices, dtype=torch.int64)
     row_req = torch.repeat_interleave(rpi, torch.tensor(extend_lens))
-    # Indices go to the map's device by a non-blocking copy: indexing a CUDA tensor with CPU indices
-    # copies them synchronously, which would wait for the iteration in flight. The positions are copied
-    # once, for the lookup and the batch (the map lives on the batch's device).
-    pos = pos.to(device, non_blocking=True)
-    loc = req_to_token[row_req.to(req_to_token.device, non_blocking=True), pos.to(req_to_token.device)]
     ends = torch.tensor(extend_lens).cumsum(0) - 1 if bs else torch.zeros(0, dtype=torch.int64)
     if pruned_rows is not None:
         rows = torch.tensor(pruned_rows, dtype=torch.int64)
@@ -239,12 +234,23 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
                        pruned=pruned_rows is not None)
     if rows.numel() != n:
         raise AssertionError(f"logit rows {rows.numel()} != num_logit_rows {n} for {mode.value}")
+    seq = torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)], dtype=torch.int64)
     ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
+    # Everything the host built goes to the device in one non-blocking copy, split there into views:
+    # a copy per tensor costs a launch each, and a prefill's first token waits for all of them. (Indexing
+    # a CUDA tensor with CPU indices would copy them synchronously, waiting for the iteration in flight.)
+    host = [pos, row_req, rpi, seq, rows.to(torch.int64)] + ([] if ids.device != pos.device else [ids.to(torch.int64)])
+    dev = torch.cat(host).to(device, non_blocking=True).split([t.numel() for t in host])
+    pos_d, row_req_d, rpi_d, seq_d, rows_d = dev[:5]
+    ids_d = dev[5] if len(dev) > 5 else ids.to(device, non_blocking=True)
+    if req_to_token.device == pos_d.device:
+        loc = req_to_token[row_req_d, pos_d]
+    else:
+        loc = req_to_token[row_req.to(req_to_token.device), pos.to(req_to_token.device)].to(device)
     return ForwardBatch(
-        mode=mode, input_ids=ids.to(device, non_blocking=True), positions=pos, out_cache_loc=loc.to(device),
-        req_pool_indices=rpi.to(device, non_blocking=True),
-        seq_lens=torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)]).to(device, non_blocking=True),
-        extend_lens=list(extend_lens), prefix_lens=list(prefix_lens), logit_rows=rows.to(device, non_blocking=True),
+        mode=mode, input_ids=ids_d, positions=pos_d, out_cache_loc=loc,
+        req_pool_indices=rpi_d, seq_lens=seq_d,
+        extend_lens=list(extend_lens), prefix_lens=list(prefix_lens), logit_rows=rows_d,
         width=width, rids=rids, all_logit_rows=all_logit_rows, pruned=pruned_rows is not None,
         max_seq_len=max((p + e for p, e in zip(prefix_lens, extend_lens)), default=0),
     )

@@ -47,13 +47,16 @@ class SlotState:
             return torch.full((r,), v, dtype=dt, device=device)
 
         f32, i64 = torch.float32, torch.int64
-        self.greedy = full(True, torch.bool)
-        self.temperature, self.top_p, self.min_p = full(1.0, f32), full(1.0, f32), full(0.0, f32)
-        self.top_k = full(vocab, i64)
-        self.rep, self.pres, self.freq = full(1.0, f32), full(0.0, f32), full(0.0, f32)
-        self.seed, self.min_new, self.n_out, self.iters = full(0, i64), full(0, i64), full(0, i64), full(0, i64)
-        self.kv_len, self.last_tok = full(0, i64), full(0, i64)
-        self.coupled = full(False, torch.bool)  # sampled with the request's own seed (see SamplingRows)
+        # The fields admission fills live as rows of three tensors, one per dtype ([fields, R]: each
+        # field a contiguous row view), so admitting requests is one copy per dtype, not per field.
+        self._f = torch.tensor([[1.0], [1.0], [0.0], [1.0], [0.0], [0.0]], dtype=f32).repeat(1, r).to(device)
+        self._i = torch.tensor([[vocab], [0], [0], [0], [0], [0]], dtype=i64).repeat(1, r).to(device)
+        self._b = torch.tensor([[True], [False]]).repeat(1, r).to(device)
+        self.temperature, self.top_p, self.min_p, self.rep, self.pres, self.freq = self._f.unbind(0)
+        self.top_k, self.seed, self.min_new, self.n_out, self.iters, self.last_tok = self._i.unbind(0)
+        # `coupled`: sampled with the request's own seed (see SamplingRows)
+        self.greedy, self.coupled = self._b.unbind(0)
+        self.kv_len = full(0, i64)
         self.drafts = torch.zeros(r, max(steps, 1), dtype=i64, device=device)
         self.draft_q: torch.Tensor | None = None  # [R, S, V] once a sampled request speculates
         self.counts: torch.Tensor | None = None  # [R, V] int32 output-token counts, once penalties appear
@@ -84,23 +87,16 @@ class SlotState:
         ps = [r.params for r in reqs]
         idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
-        def put(t: torch.Tensor, vals: list) -> None:
-            t.index_copy_(0, idx, torch.tensor(vals, dtype=t.dtype).to(self.device, non_blocking=True))
+        def put(t: torch.Tensor, vals: list[list]) -> None:  # one field per list, in the rows' order
+            t.index_copy_(1, idx, torch.tensor(vals, dtype=t.dtype).to(self.device, non_blocking=True))
 
-        put(self.greedy, [p.greedy for p in ps])
-        put(self.temperature, [p.temperature if not p.greedy else 1.0 for p in ps])
-        put(self.top_k, [p.top_k if 0 < p.top_k < v else v for p in ps])
-        put(self.top_p, [p.top_p for p in ps])
-        put(self.min_p, [p.min_p for p in ps])
-        put(self.rep, [p.repetition_penalty for p in ps])
-        put(self.pres, [p.presence_penalty for p in ps])
-        put(self.freq, [p.frequency_penalty for p in ps])
-        put(self.seed, [r.seed for r in reqs])
-        put(self.coupled, [p.seed is not None and not p.greedy for p in ps])
-        put(self.min_new, [p.min_new_tokens for p in ps])
-        put(self.n_out, [len(r.output_ids) for r in reqs])
-        put(self.iters, [0] * len(reqs))
-        put(self.last_tok, [r.output_ids[-1] if r.output_ids else 0 for r in reqs])
+        put(self._f, [[p.temperature if not p.greedy else 1.0 for p in ps], [p.top_p for p in ps],
+                      [p.min_p for p in ps], [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+                      [p.frequency_penalty for p in ps]])
+        put(self._i, [[p.top_k if 0 < p.top_k < v else v for p in ps], [r.seed for r in reqs],
+                      [p.min_new_tokens for p in ps], [len(r.output_ids) for r in reqs], [0] * len(reqs),
+                      [r.output_ids[-1] if r.output_ids else 0 for r in reqs]])
+        put(self._b, [[p.greedy for p in ps], [p.seed is not None and not p.greedy for p in ps]])
         for i, (row, p) in enumerate(zip(rows, ps)):
             self.h_greedy[row] = p.greedy
             self.h_pen[row] = p.has_penalties
