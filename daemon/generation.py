@@ -171,6 +171,10 @@ class Generation:
         # the daemon's marks of the TTFT split (`metrics.TtftPhases`); 0 where unknown.
         self.t_in = t_in
         self.t_submit = 0.0
+        # A stream observes a choice's split once its first frame is written (`written`); other
+        # responses as the delta is taken.
+        self.streaming = False
+        self._split: dict[int, tuple[list[float], float]] = {}  # choice -> (engine timing, taken at)
         self.choices: list[Choice] = []
         self.sink = OutputQueue(buffer_tokens, self._overflow)
         self.prompt_tokens = 0
@@ -183,6 +187,12 @@ class Generation:
         if count_prompt:
             self.prompt_tokens += len(prompt_ids)
         return c
+
+    def written(self, c: Choice) -> None:
+        """A stream wrote a delta of choice `c`: the first one completes its TTFT split."""
+        got = self._split.pop(c.index, None)
+        if got is not None:
+            self.metrics.phases.observe(self.t_in, self.t_submit, got[0], got[1], time.monotonic())
 
     def submit(self) -> None:
         self.t_submit = time.monotonic()
@@ -230,7 +240,11 @@ class Generation:
             if c.t_last is None:
                 m.ttft_m.observe(now - self.t0)
                 if o.timing is not None:
-                    m.phases.observe(self.t_in, self.t_submit, o.timing, time.monotonic())
+                    took = time.monotonic()
+                    if self.streaming:
+                        self._split[c.index] = (o.timing, took)
+                    else:
+                        m.phases.observe(self.t_in, self.t_submit, o.timing, took, took)
             # A speculative step emits several tokens at once: each gets its share of the wait.
             m.tokens.observe(n, None if c.t_last is None else (now - c.t_last) / n)
             c.t_last = now

@@ -199,8 +199,10 @@ class Metrics:
 # the engine loop (`to_engine`: the IPC and a busy loop's step), waits for admission (`queue`), is
 # prefilled until its first tokens are applied (`prefill`: its prefill steps, chunks or a mixed step,
 # and reading their tokens), the rest of that step until its outputs are sent (`engine_out`), the
-# message reaches the daemon's reader (`to_daemon`), and the daemon takes the delta (`daemon_out`).
-TTFT_PHASES = ("daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out")
+# message reaches the daemon's reader (`to_daemon`), the daemon takes the delta (`daemon_out`), and a
+# stream's first frame is written, its response headers with it (`write`; 0 for a response that is
+# not streamed, which writes only at the end).
+TTFT_PHASES = ("daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out", "write")
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -218,10 +220,11 @@ class TtftPhases:
         self.counts = [[0] * (len(PHASE_BUCKETS) + 1) for _ in TTFT_PHASES]
         self.sums = [0.0] * len(TTFT_PHASES)
 
-    def observe(self, t_in: float, t_submit: float, timing: list[float], now: float) -> None:
+    def observe(self, t_in: float, t_submit: float, timing: list[float], took: float, written: float) -> None:
         """One first delta: the daemon's marks around the engine's `timing` (added, scheduled, first
-        tokens, sent, received). A mark missing (0) drops the request: its split would be wrong."""
-        marks = (t_in, t_submit, *timing, now)
+        tokens, sent, received), then when the daemon took it and wrote it. A mark missing (0) drops
+        the request: its split would be wrong."""
+        marks = (t_in, t_submit, *timing, took, written)
         if len(marks) != len(TTFT_PHASES) + 1 or not all(marks):
             return
         ph = [max(0.0, b - a) for a, b in pairwise(marks)]
@@ -237,7 +240,7 @@ class TtftPhases:
     def collect(self) -> Iterator[Metric]:
         h = HistogramMetricFamily(P + "time_to_first_token_phase_seconds",
                                   "Time to first token by phase (daemon_in, to_engine, queue, prefill, engine_out, "
-                                  "to_daemon, daemon_out)", labels=["model_name", "phase"])
+                                  "to_daemon, daemon_out, write)", labels=["model_name", "phase"])
         for name, counts, total in zip(TTFT_PHASES, self.counts, self.sums):
             cum, n = [], 0
             for le, k in zip([*map(floatToGoString, PHASE_BUCKETS), "+Inf"], counts):

@@ -417,6 +417,7 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
     last output, a stop string the daemon saw, errors, the tail."""
     srv = request.app[SRV]
     sse = SSE(request, srv.cfg.server.write_timeout_s)
+    gen.streaming = True  # the TTFT split ends at the first frame written
 
     def direct(item: tuple[int, Any]) -> tuple[int, Any] | None:
         tag, o = item
@@ -450,6 +451,7 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
                     finally:
                         gen.sink.writing = False
                         check.cancel()
+                gen.written(d.choice)
                 if fmt.direct and sse.resp is not None:
                     gen.sink.direct = direct
         except APIError as e:

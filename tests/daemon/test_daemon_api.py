@@ -295,12 +295,14 @@ async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(
             seen.append(first)
     st, d = srv.get(f"/debug/engine?phases_since={seq0}")
     ph = d["daemon"]["ttft_phases"]
-    assert ph["names"] == ["daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out"]
+    assert ph["names"] == ["daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out",
+                           "write"]
     assert [r[0] for r in ph["recent"]] == [seq0 + 1, seq0 + 2, seq0 + 3]
     for rec, client_ttft in zip(ph["recent"], seen):
         parts = rec[1:]
         assert all(x >= 0 for x in parts), parts
         assert parts[3] > 0, "the prefill took no time"
+        assert parts[7] > 0, "a stream's first frame was written in no time"
         assert sum(parts) <= client_ttft, (parts, client_ttft)
     st, text = srv.get("/metrics")
     counts = {ln.split('phase="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
