@@ -133,11 +133,16 @@ async def _debug(s: aiohttp.ClientSession, url: str, phases_since: int = 1 << 62
         return {}
 
 
+def session(args: argparse.Namespace) -> aiohttp.ClientSession:
+    """The client's HTTP session: the API key, the run's timeout, no connection limit."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=args.timeout),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args.dataset, data_dir(args.data_dir), args.num_prompts, args.seed)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+    async with session(args) as s:
         async with s.get(args.url.rstrip("/") + "/v1/models") as resp:
             resp.raise_for_status()
             model = args.model or (await resp.json())["data"][0]["id"]
@@ -224,10 +229,7 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
     the others at the barrier; puts (results, monotonic end, CPU seconds) on `out`."""
 
     async def go() -> tuple[list[Result], float, float]:
-        timeout = aiohttp.ClientTimeout(total=args.timeout)
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with session(args) as s:
             sem = asyncio.Semaphore(conc)
 
             async def task(p: str) -> Result:

@@ -239,10 +239,11 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     # Everything the host built goes to the device in one non-blocking copy, split there into views:
     # a copy per tensor costs a launch each, and a prefill's first token waits for all of them. (Indexing
     # a CUDA tensor with CPU indices would copy them synchronously, waiting for the iteration in flight.)
-    host = [pos, row_req, rpi, seq, rows.to(torch.int64)] + ([] if ids.device != pos.device else [ids.to(torch.int64)])
-    dev = torch.cat(host).to(device, non_blocking=True).split([t.numel() for t in host])
-    pos_d, row_req_d, rpi_d, seq_d, rows_d = dev[:5]
-    ids_d = dev[5] if len(dev) > 5 else ids.to(device, non_blocking=True)
+    pack_ids = ids.device.type == "cpu"  # ids already on the device (a draft's) are not copied back and forth
+    host = [pos, row_req, rpi, seq, rows.to(torch.int64), *([ids.to(torch.int64)] if pack_ids else [])]
+    pos_d, row_req_d, rpi_d, seq_d, rows_d, *rest = torch.cat(host).to(device, non_blocking=True).split(
+        [t.numel() for t in host])
+    ids_d = rest[0] if pack_ids else ids.to(device, non_blocking=True)
     if req_to_token.device == pos_d.device:
         loc = req_to_token[row_req_d, pos_d]
     else:

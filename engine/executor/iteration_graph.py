@@ -42,7 +42,9 @@ class IterationGraph:
         self.rpi: torch.Tensor
         self.nreal: torch.Tensor
         self.ar: torch.Tensor
-        if rows_of is not None:  # a later piece of one iteration: the same rows, set once by the first
+        # A later piece of one iteration shares the first piece's rows, which that one sets at its replay.
+        self.shares_rows = rows_of is not None
+        if rows_of is not None:
             assert rows_of.buckets == self.buckets
             self.rpi, self.nreal, self.ar = rows_of.rpi, rows_of.nreal, rows_of.ar
         else:
@@ -86,13 +88,13 @@ class IterationGraph:
         self.caps = capture_buckets(self.buckets, prepare, body, check, emulate=self.emulate, pool=self.pool,
                                     stats=self.stats)
 
-    def run(self, rpi: torch.Tensor, bs: int, rows_set: bool = False) -> tuple[torch.Tensor, int]:
-        """Replay for `bs` live requests (rows `rpi`; `rows_set`: the piece whose rows this one shares
-        has set them for this iteration); returns (packed rows [bs, K], bucket)."""
+    def run(self, rpi: torch.Tensor, bs: int) -> tuple[torch.Tensor, int]:
+        """Replay for `bs` live requests (rows `rpi`; a piece that shares another's rows finds them set
+        by that one's replay of this iteration); returns (packed rows [bs, K], bucket)."""
         pbs = self.bucket(bs)
         assert pbs is not None and pbs in self.caps
         cap = self.caps[pbs]
-        if not rows_set:
+        if not self.shares_rows:
             self.rpi[:bs].copy_(rpi)
             self.rpi[bs:pbs].fill_(self.pad_row)
             self.nreal.fill_(bs)

@@ -373,7 +373,7 @@ class TargetWorker:
         """A masked decode step's rest: every row's mask, then mask + sample + commit; the matchers take
         its tokens at `finish`."""
         self.constrain.fill_static(len(s.reqs))
-        packed, _ = self.masked_graphs[0].rest[0].run(s.rpi, len(s.reqs), rows_set=True)
+        packed, _ = self.masked_graphs[0].rest[0].run(s.rpi, len(s.reqs))
         self.forwards = self.replay_forwards(s.reqs, s.pbs)
         s.timer.mark()
         p = self._send(s.reqs, self.width, s.flags, packed, s.timer)

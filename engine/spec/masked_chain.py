@@ -149,20 +149,20 @@ class MaskedChain:
         w, c = self.w, self.w.constrain
         bs, rpi = len(s.reqs), s.rpi
         c.fill_static(bs, self.width)  # the verify rows' masks, kept by the drafting before
-        packed, _ = self.accept.run(rpi, bs, rows_set=True)
+        packed, _ = self.accept.run(rpi, bs)
         w.forwards = w.replay_forwards(s.reqs, s.pbs)
         p = w._send(s.reqs, self.width, s.flags, packed, s.timer)  # the result on its way (its event)
-        self.draft[0].run(rpi, bs, rows_set=True)  # needs no mask: runs while the matchers take the accepted tokens
+        self.draft[0].run(rpi, bs)  # needs no mask: runs while the matchers take the accepted tokens
         if p.done is not None:
             p.done.synchronize()
         p.cuts = c.commit_rows([toks for toks, _ in unpack(p)])
         d: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         for k in range(self.steps):
             c.fill_draft_static(k, bs, self.dmask)
-            self.select[k].run(rpi, bs, rows_set=True)
+            self.select[k].run(rpi, bs)
             d = self._to_host(k, bs)
             if k + 1 < self.steps:
-                self.draft[k + 1].run(rpi, bs, rows_set=True)
+                self.draft[k + 1].run(rpi, bs)
                 c.draft_accept(self._read(d), k)  # while draft k+1's forward runs
         s.timer.mark()
         p.plan, p.masked = s.plan, True
