@@ -39,6 +39,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "engine_ping_interval": ("server", "engine_ping_interval_s"),
     "engine_ping_timeout": ("server", "engine_ping_timeout_s"),
     "events_include_text": ("server", "events_include_text"),
+    "state_events": ("server", "state_events"),
     "warm_up": ("server", "warm_up"),
     "device": ("engine", "device"),
     "dtype": ("engine", "dtype"),
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of engine silence before it is declared frozen and restarted (0: never)")
     ap.add_argument("--events-include-text", action="store_true", default=None,
                     help="put token ids, text and logprobs of every request in /v1/events (off: counts only)")
+    ap.add_argument("--state-events", action=argparse.BooleanOptionalAction, default=None,
+                    help="publish the engine's state events on /v1/events for mleagle-tui (default; "
+                         "--no-state-events spares the engine's loop their host time per step)")
     ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                     help="run a few short requests of its own before reporting ready, so the first user request "
                          "meets no first-use cost (default; --no-warm-up starts a second or so sooner)")

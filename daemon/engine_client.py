@@ -228,7 +228,9 @@ class EngineClient:
         events.setsockopt(zmq.SUBSCRIBE, b"")
         events.bind(ev_addr)
         cmd = [sys.executable, "-m", "mleagle.engine.service.process", "--config-file", "-", "--run-dir", d,
-               "--requests", req_addr, "--outputs", out_addr, "--events", ev_addr, "--parent-pid", str(os.getpid())]
+               "--requests", req_addr, "--outputs", out_addr, "--parent-pid", str(os.getpid())]
+        if self.cfg.server.state_events:
+            cmd += ["--events", ev_addr]
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
         proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, stdin=asyncio.subprocess.PIPE,

@@ -98,6 +98,9 @@ class EventsRelay:
                 pass
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if not self.client.cfg.server.state_events:
+            raise APIError(404, "this server publishes no state events (started with --no-state-events)",
+                           code="state_events_off")
         raw = request.query.get("types", "").strip()
         types = None
         if raw:

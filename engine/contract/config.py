@@ -230,6 +230,11 @@ class ServerConfig(BaseModel):
     engine_ping_interval_s: float = Field(1.0, gt=0)
     engine_ping_timeout_s: float = Field(30.0, ge=0)
     events_include_text: bool = False
+    # The engine's state events (`/v1/events`, what `mleagle-tui` shows). Off, the engine process
+    # attaches no telemetry and publishes nothing, and `/v1/events` answers 404 `state_events_off`:
+    # each step then costs the engine's main thread less host time (a speculative step emits ~15
+    # events), which is throughput where that thread is the limit (a small model at a large batch).
+    state_events: bool = True
     # Before the engine reports ready it runs a few short requests of its own and forgets them
     # (`Engine.warm_up`), so the first user request meets no first-use cost (allocations, kernel
     # selection, compilation: several times a request's latency otherwise).

@@ -205,3 +205,29 @@ async def test_events_need_the_api_key(srv: ServerProc) -> None:
             assert ei.value.status == 401
         async with s.get(srv.url + "/v1/events") as r:
             assert r.status == 401
+
+
+def test_a_server_without_state_events() -> None:
+    """`--no-state-events`: a speculative engine serves requests as ever, `/v1/events` is a 404 that says why, and the engine's loop reports no
+    telemetry time and no event pumping (nothing was attached)."""
+    s = ServerProc("--config", "tiny-dummy", "--draft", "random:2", "--spec-policy", "always", "--no-state-events")
+    try:
+        s.wait_healthy(60)
+
+        async def go() -> None:
+            async with aiohttp.ClientSession() as c:
+                body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+                async with c.post(s.url + "/generate", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert len((await r.json())["token_ids"]) == 12
+                async with c.get(s.url + "/v1/events") as r:
+                    assert r.status == 404
+                    err = (await r.json())["error"]
+                    assert err["code"] == "state_events_off" and "--no-state-events" in err["message"]
+                async with c.get(s.url + "/debug/engine") as r:
+                    loop = (await r.json())["stats"]["loop"]
+                    assert loop["steps"] >= 4 and loop["telemetry_s"] == 0.0 and loop["pump_s"] == 0.0, loop
+
+        asyncio.run(go())
+    finally:
+        assert s.terminate() == 0, s.log()
