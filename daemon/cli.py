@@ -40,6 +40,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "engine_ping_timeout": ("server", "engine_ping_timeout_s"),
     "events_include_text": ("server", "events_include_text"),
     "state_events": ("server", "state_events"),
+    "spin_ms": ("server", "spin_ms"),
     "warm_up": ("server", "warm_up"),
     "device": ("engine", "device"),
     "dtype": ("engine", "dtype"),
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of engine silence before it is declared frozen and restarted (0: never)")
     ap.add_argument("--events-include-text", action="store_true", default=None,
                     help="put token ids, text and logprobs of every request in /v1/events (off: counts only)")
+    ap.add_argument("--spin-ms", type=float, default=None,
+                    help="with a GPU engine: how long the engine and the daemon keep polling after their last "
+                         "work before they sleep (default 5; 0: sleep at once)")
     ap.add_argument("--state-events", action=argparse.BooleanOptionalAction, default=None,
                     help="publish the engine's state events on /v1/events for mleagle-tui (default; "
                          "--no-state-events spares the engine's loop their host time per step)")

@@ -235,6 +235,11 @@ class ServerConfig(BaseModel):
     # each step then costs the engine's main thread less host time (a speculative step emits ~15
     # events), which is throughput where that thread is the limit (a small model at a large batch).
     state_events: bool = True
+    # With a GPU engine (a CPU engine's forwards need every core, so neither spins): the engine loop
+    # after its last step, and the daemon's event loop while few requests are in flight and after the
+    # last one ends, keep polling this long before they sleep, so a request that follows closely (a
+    # client's next turn, a benchmark's closed loop) meets neither a wake-up nor a cold core.
+    spin_ms: float = Field(5.0, ge=0, le=1000)
     # Before the engine reports ready it runs a few short requests of its own and forgets them
     # (`Engine.warm_up`), so the first user request meets no first-use cost (allocations, kernel
     # selection, compilation: several times a request's latency otherwise).

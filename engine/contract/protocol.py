@@ -69,6 +69,7 @@ class Ready(_Msg):
     spec_steps: int = 0
     vocab_size: int | None = None
     pid: int
+    device: str | None = None  # "cuda", "cpu": the daemon spins its loop only beside a GPU engine
     world_size: int = 1
     # The most tokens one request may hold in the KV pool (prompt + new tokens): capacity minus the
     # positions a decode step writes ahead. None when unknown; the context limit applies either way.

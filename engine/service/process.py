@@ -82,8 +82,13 @@ class EngineLoop:
     """Owns the sockets and the request bookkeeping around one `Engine`."""
 
     def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, pump: EventPump | None = None,
-                 gc_watch: GcWatch | None = None) -> None:
+                 gc_watch: GcWatch | None = None, spin_s: float = 0.0) -> None:
         self.engine = engine
+        # After its last work the loop polls without sleeping this long (yielding the core to any
+        # thread that wants it) before it blocks: the next request of a client that is reading its
+        # last answer is taken at once, by a process whose caches are still its own (`server.spin_ms`).
+        self.spin_s = spin_s
+        self.spins = 0  # idle passes that polled instead of blocking (reported with the loop's stats)
         self.gc_watch = gc_watch  # collections and their pauses, reported with the engine's stats
         # Host seconds by phase of the loop (reported with the engine's stats): the engine's steps,
         # sending their outputs, the event pump, messages (answering the daemon's pings, which carry these
@@ -150,7 +155,7 @@ class EngineLoop:
             if self.gc_watch is not None:
                 stats["gc"] = self.gc_watch.snapshot()
             spent = {**self.spent, "telemetry": self.telemetry.spent_s if self.telemetry is not None else 0.0}
-            stats["loop"] = {"steps": self.steps, **{f"{k}_s": round(v, 4) for k, v in spent.items()}}
+            stats["loop"] = {"steps": self.steps, "spins": self.spins, **{f"{k}_s": round(v, 4) for k, v in spent.items()}}
         rss = peak_rss_mb()
         return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats, max_rss_mb=rss)
 
@@ -203,9 +208,11 @@ class EngineLoop:
     def run(self) -> int:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        last_work = time.monotonic()
         while True:
             busy = self.engine.has_work()
-            timeout = 0 if busy else IDLE_POLL_MS
+            spinning = not busy and self.spin_s > 0 and time.monotonic() - last_work < self.spin_s
+            timeout = 0 if busy or spinning else IDLE_POLL_MS
             n = 0
             while n < MAX_DRAIN and poller.poll(timeout):
                 t0 = time.perf_counter()
@@ -214,6 +221,10 @@ class EngineLoop:
                 self.spent["messages"] += time.perf_counter() - t0
                 n += 1
                 timeout = 0
+            if spinning and not n:
+                self.spins += 1
+                os.sched_yield()
+                continue
             if not busy and self.telemetry is not None:
                 self.telemetry.idle()  # status events (rates, uptime) stay current while idle
             if not busy and os.getppid() != self.ppid:
@@ -224,6 +235,7 @@ class EngineLoop:
                 code = self.step()
                 if code is not None:
                     return code
+                last_work = time.monotonic()
             # The state events go out after the step and its outputs, never before a step: an arrival
             # at an idle engine would otherwise wait for the events of the request before it (0.1-0.7 ms
             # on the 2-core dev VM, measured in its TTFT's `queue` phase).
@@ -388,6 +400,7 @@ def _main(args: argparse.Namespace) -> int:
             spec_steps=int(getattr(engine, "spec_steps", None) or cfg.engine.spec_steps or 0),
             vocab_size=getattr(engine, "vocab_size", None),
             pid=os.getpid(),
+            device=str(getattr(getattr(engine, "device", None), "type", "")) or None,
             world_size=int(cfg.engine.tp_size),
             max_request_tokens=_max_request_tokens(engine),
         )
@@ -404,7 +417,9 @@ def _main(args: argparse.Namespace) -> int:
              time.perf_counter() - t0, ready.model_name, ready.max_context_len, frozen)
     push.send(encode(ready))
     try:
-        code = EngineLoop(engine, pull, push, pump, GcWatch(frozen).install()).run()
+        # A CPU engine's forwards run on the cores the daemon needs to serve: it never spins.
+        spin_s = cfg.server.spin_ms / 1e3 if getattr(getattr(engine, "device", None), "type", "cpu") != "cpu" else 0.0
+        code = EngineLoop(engine, pull, push, pump, GcWatch(frozen).install(), spin_s).run()
     except zmq.Again:
         log.error("the daemon stopped reading outputs; engine exiting")
         code = 1

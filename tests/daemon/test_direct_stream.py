@@ -250,3 +250,32 @@ async def test_a_malformed_engine_message_is_dropped_with_a_log_line(eng: Script
             events = [e async for e in sse_events((await req).content)]
     assert "".join(map(text_of, events)) == "still fine" and events[-1] is None
     assert sum("dropped a malformed engine message" in m for m in caplog.messages) == 6
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Tokenizer, device: str) -> None:
+    """`server.spin_ms`: beside a GPU engine the daemon's loop keeps polling while a request is in
+    flight and for the window after it ends, then sleeps again (the spinner is gone, its count still);
+    beside a CPU engine it never spins (that engine's forwards need the cores)."""
+    srv = eng.srv
+    srv.spin_s = 0.2
+    srv.client.info = srv.client.info.model_copy(update={"device": device})  # type: ignore[union-attr]
+    ids = tok.encode("two words", add_special_tokens=False)
+    async with session() as s:
+        req = asyncio.ensure_future(s.post(eng.url + "/v1/completions", json={"prompt": "hi", "stream": True}))
+        rid = (await eng.added())[0]
+        await asyncio.sleep(0.05)  # the request waits for its first token
+        during = srv.spins
+        eng.emit(*(out(rid, [i]) for i in ids), out(rid, [], True, "length"))
+        _ = [e async for e in sse_events((await req).content)]
+    if device == "cpu":
+        assert srv.spins == 0 and srv.spinner is None
+        return
+    assert during > 10
+    await asyncio.sleep(0.05)  # inside the window after the request: still polling
+    assert srv.spinner is not None and srv.spins > during
+    await asyncio.sleep(0.3)  # past it
+    assert srv.spinner is None
+    n = srv.spins
+    await asyncio.sleep(0.05)
+    assert srv.spins == n
