@@ -489,6 +489,12 @@ def summary(runs: list[dict[str, Any]], arms: list[str], concs: list[int], base:
             names = [n for g in got for n in ((g.get("server") or {}).get("ttft_phases") or {}).get("phases", {})]
             row["ttft_phases"] = {n: {k: cell(digs(got, ("server", "ttft_phases", "phases", n, k)))
                                       for k in ("mean_ms", "slowest_tenth_mean_ms")} for n in dict.fromkeys(names)}
+            # What the split does not see (`bench serve`'s `ttft_outside`), before and after it.
+            out = {n: {k: cell(digs(got, ("server", "ttft_outside", n, k))) for k in ("mean_ms", "slowest_tenth_mean_ms")}
+                   for n in ("before_route", "after_write")}
+            if out["before_route"]["mean_ms"] is not None:
+                row["ttft_phases"] = {"before_route": out["before_route"], **row["ttft_phases"],
+                                      "after_write": out["after_write"]}
             rows.append(row)
     return rows
 
@@ -525,7 +531,9 @@ def table(rows: list[dict[str, Any]], base: str, offline: bool) -> str:
 
 def phase_table(rows: list[dict[str, Any]]) -> str:
     """The TTFT split in the server per (concurrency, arm): each phase's mean ms, and after the slash
-    its mean over the slowest tenth of the requests (medians over the repeats); '' without splits."""
+    its mean over the slowest tenth of the requests (medians over the repeats); '' without splits.
+    `before_route` and `after_write`, where the client could match its requests to the server's, are
+    the client's time outside the split (their slowest tenth: by the client's TTFT)."""
     names = list(dict.fromkeys(n for r in rows for n in r.get("ttft_phases") or {}))
     if not names:
         return ""
@@ -670,7 +678,9 @@ def bench_matrix_main(argv: list[str] | None = None) -> int:
     phases = phase_table(rows)
     if phases:
         rep["table"] += ("\n\nTTFT split in the server, ms: mean / mean of the slowest tenth of the requests "
-                         "(medians over the repeats)\n\n" + phases)
+                         "(medians over the repeats); before_route and after_write: the client's time outside "
+                         "the split, from sending to the route and from the first frame written to reading it\n\n"
+                         + phases)
     save(rep, a.output)
     print(rep["table"])
     if a.markdown:

@@ -58,6 +58,11 @@ class Result:
     prompt_tokens: int = 0
     output_tokens: int = 0
     chunks: int = 0
+    # time.monotonic() as the request was sent and as its first content arrived, and the response's id:
+    # on the server's host these sit beside the daemon's own marks (`outside_split`)
+    t_send: float = 0.0
+    t_first: float = 0.0
+    id: str = ""
 
 
 def request_body(args: argparse.Namespace, model: str, p: str) -> dict[str, Any]:
@@ -78,6 +83,7 @@ async def one(s: aiohttp.ClientSession, args: argparse.Namespace, model: str, p:
     url = args.url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     r = Result()
     t0 = time.perf_counter()
+    r.t_send = time.monotonic()
     last = None
     try:
         async with s.post(url, json=body) as resp:
@@ -101,6 +107,7 @@ async def one(s: aiohttp.ClientSession, args: argparse.Namespace, model: str, p:
                         now = time.perf_counter()
                         if last is None:
                             r.ttft = now - t0
+                            r.t_first, r.id = time.monotonic(), ev.get("id", "")
                         else:
                             r.itl.append(now - last)
                         last = now
@@ -191,6 +198,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
                       "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
                       "ttft_phases": phase_summary(dm.get("ttft_phases")),
+                      "ttft_outside": outside_split(results, dm.get("ttft_phases")),
                       "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"), dur)}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -224,13 +232,39 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
     return out
 
 
+def outside_split(results: list[Result], ph: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The part of each request's TTFT the server's split does not see, matched by response id: from
+    the client sending it to the daemon's route beginning (`before_route`: the connection, the HTTP
+    parser, the loop's queue before the handler) and from the daemon writing the first frame to the
+    client reading its content (`after_write`: the socket, the client's own loop). One clock: the
+    client and the server share a host (a remote server's marks are on another clock: then the
+    figures are meaningless, and a loopback URL is what `serve-matrix` uses). Means, p50 and p90 in ms,
+    and their means over the requests slowest by client TTFT."""
+    if not ph or not ph.get("recent"):
+        return None
+    n = len(ph["names"])
+    marks = {r[1 + n]: (r[2 + n], r[3 + n]) for r in ph["recent"] if len(r) >= n + 4}
+    got = [(r.ttft, marks[r.id][0] - r.t_send, r.t_first - marks[r.id][1]) for r in results
+           if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
+    if not got:
+        return None
+    slow = sorted(got, key=lambda x: -x[0])[: max(1, -(-len(got) // 10))]
+    out: dict[str, Any] = {"requests": len(got)}
+    for i, k in ((1, "before_route"), (2, "after_write")):
+        q = pct([g[i] for g in got])
+        out[k] = {"mean_ms": q["mean"], "p50_ms": q["p50"], "p90_ms": q["p90"],
+                  "slowest_tenth_mean_ms": 1e3 * sum(g[i] for g in slow) / len(slow)}
+    return out
+
+
 def phase_summary(ph: dict[str, Any] | None) -> dict[str, Any] | None:
     """The server's TTFT split (`/debug/engine`'s `ttft_phases`) over this run's requests: per phase
     its mean, p50 and p90 in ms, and its mean over the slowest tenth of the requests (by the split's
     total), which says what the tail of the TTFT is made of."""
     if not ph or not ph.get("recent"):
         return None
-    names, rows = ph["names"], [r[1:] for r in ph["recent"]]
+    names = ph["names"]
+    rows = [r[1:1 + len(names)] for r in ph["recent"]]
     totals = [sum(r) for r in rows]
     slow = [r for _, r in sorted(zip(totals, rows), key=lambda x: -x[0])[: max(1, -(-len(rows) // 10))]]
     out: dict[str, Any] = {"requests": len(rows), "phases": {}}
@@ -364,6 +398,13 @@ def table(res: dict[str, Any]) -> str:
             for n, v in ph["phases"].items():
                 lines.append(f"  {n:<26}{v['mean_ms']:>10.2f}{v['p50_ms']:>10.2f}{v['p90_ms']:>10.2f}"
                              f"{v['slowest_tenth_mean_ms']:>10.2f}")
+            out = srv.get("ttft_outside")
+            if out:
+                lines.append(f"TTFT outside the split, ms ({out['requests']} requests; slow 10%: by client TTFT)")
+                for n in ("before_route", "after_write"):
+                    v = out[n]
+                    lines.append(f"  {n:<26}{v['mean_ms']:>10.2f}{v['p50_ms']:>10.2f}{v['p90_ms']:>10.2f}"
+                                 f"{v['slowest_tenth_mean_ms']:>10.2f}")
     if res["errors"]:
         lines.append(f"{'errors':<28}{res['errors']}")
     return "\n".join(lines)

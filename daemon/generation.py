@@ -192,7 +192,7 @@ class Generation:
         """A stream wrote a delta of choice `c`: the first one completes its TTFT split."""
         got = self._split.pop(c.index, None)
         if got is not None:
-            self.metrics.phases.observe(self.t_in, self.t_submit, got[0], got[1], time.monotonic())
+            self.metrics.phases.observe(self.t_in, self.t_submit, got[0], got[1], time.monotonic(), self.id)
 
     def submit(self) -> None:
         self.t_submit = time.monotonic()
@@ -244,7 +244,7 @@ class Generation:
                     if self.streaming:
                         self._split[c.index] = (o.timing, took)
                     else:
-                        m.phases.observe(self.t_in, self.t_submit, o.timing, took, took)
+                        m.phases.observe(self.t_in, self.t_submit, o.timing, took, took, self.id)
             # A speculative step emits several tokens at once: each gets its share of the wait.
             m.tokens.observe(n, None if c.t_last is None else (now - c.t_last) / n)
             c.t_last = now

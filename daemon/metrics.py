@@ -216,14 +216,17 @@ class TtftPhases:
     def __init__(self, model: str, keep: int = 4096) -> None:
         self.model = model
         self.seq = 0
-        self.recent: deque[list[float]] = deque(maxlen=keep)  # [seq, *phase seconds]
+        # [seq, *phase seconds, response id, t_in, written]: the last three let a client on this host
+        # put its own marks beside the daemon's (`bench serve`'s time before the route and after the write)
+        self.recent: deque[list[Any]] = deque(maxlen=keep)
         self.counts = [[0] * (len(PHASE_BUCKETS) + 1) for _ in TTFT_PHASES]
         self.sums = [0.0] * len(TTFT_PHASES)
 
-    def observe(self, t_in: float, t_submit: float, timing: list[float], took: float, written: float) -> None:
-        """One first delta: the daemon's marks around the engine's `timing` (added, scheduled, first
-        tokens, sent, received), then when the daemon took it and wrote it. A mark missing (0) drops
-        the request: its split would be wrong."""
+    def observe(self, t_in: float, t_submit: float, timing: list[float], took: float, written: float,
+                rid: str = "") -> None:
+        """One first delta of response `rid`: the daemon's marks around the engine's `timing` (added,
+        scheduled, first tokens, sent, received), then when the daemon took it and wrote it. A mark
+        missing (0) drops the request: its split would be wrong."""
         marks = (t_in, t_submit, *timing, took, written)
         if len(marks) != len(TTFT_PHASES) + 1 or not all(marks):
             return
@@ -232,7 +235,7 @@ class TtftPhases:
             self.counts[i][bisect_left(PHASE_BUCKETS, x)] += 1
             self.sums[i] += x
         self.seq += 1
-        self.recent.append([self.seq, *ph])
+        self.recent.append([self.seq, *ph, rid, t_in, written])
 
     def since(self, seq: int) -> dict[str, Any]:
         return {"names": list(TTFT_PHASES), "seq": self.seq, "recent": [r for r in self.recent if r[0] > seq]}

@@ -220,6 +220,12 @@ def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
         assert lp["steps"] >= 4 and 0 < lp["step_share"] <= lp["busy_share"] <= 1.05, lp
         assert lp["busy_share"] == pytest.approx(sum(lp[k + "_share"] for k in ("step", "send_outputs", "pump", "messages", "pong")))
         assert "engine loop busy" in r.stdout
+        # Every request matched to its record by response id, across both client processes: the time
+        # before the route and after the write is the client's own, so it is never negative.
+        out = res["server"]["ttft_outside"]
+        assert out["requests"] == 7 and out["before_route"]["p50_ms"] > 0 and out["after_write"]["p50_ms"] > 0, out
+        assert out["before_route"]["mean_ms"] + out["after_write"]["mean_ms"] < res["ttft_ms"]["mean"]
+        assert "TTFT outside the split" in r.stdout
         assert "2 client processes" in r.stdout
         bad = subprocess.run([sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", srv.url, "--rate", "2",
                               "--client-procs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)

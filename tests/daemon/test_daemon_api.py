@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import openai
@@ -281,9 +282,11 @@ async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(
     seq0 = d["daemon"]["ttft_phases"]["seq"]
     assert d["daemon"]["ttft_phases"]["recent"] == []
     seen: list[float] = []
+    ids: list[str] = []
     async with aiohttp.ClientSession(headers=srv.headers) as s:
         for q in ("Name a color.", "Name a planet.", "Name a bird."):
             t0 = asyncio.get_running_loop().time()
+            sent = time.monotonic()
             async with s.post(srv.url + "/v1/chat/completions", json={
                     "model": "smollm2-135m", "messages": chat_msgs(q), "max_tokens": 4, "temperature": 0,
                     "stream": True}) as r:
@@ -292,14 +295,21 @@ async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(
                 async for line in r.content:
                     if first is None and line.startswith(b"data: {") and b'"content"' in line:
                         first = asyncio.get_running_loop().time() - t0
+                        got = time.monotonic()
+                        ids.append(json.loads(line[6:])["id"])
             seen.append(first)
     st, d = srv.get(f"/debug/engine?phases_since={seq0}")
     ph = d["daemon"]["ttft_phases"]
     assert ph["names"] == ["daemon_in", "to_engine", "queue", "prefill", "engine_out", "to_daemon", "daemon_out",
                            "write"]
     assert [r[0] for r in ph["recent"]] == [seq0 + 1, seq0 + 2, seq0 + 3]
+    n = len(ph["names"])
+    # Each record names its response and carries the daemon's first and last mark (monotonic, this
+    # host's clock): the route began after the client sent, the frame went out before it arrived.
+    assert [rec[1 + n] for rec in ph["recent"]] == ids
+    assert all(len(rec) == n + 4 and sent < rec[2 + n] < rec[3 + n] < got for rec in ph["recent"][-1:])
     for rec, client_ttft in zip(ph["recent"], seen):
-        parts = rec[1:]
+        parts = rec[1:1 + n]
         assert all(x >= 0 for x in parts), parts
         assert parts[3] > 0, "the prefill took no time"
         assert parts[7] > 0, "a stream's first frame was written in no time"
