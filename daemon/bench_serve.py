@@ -199,6 +199,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
                       "ttft_phases": phase_summary(dm.get("ttft_phases")),
                       "ttft_outside": outside_split(results, dm.get("ttft_phases")),
+                      "daemon_gc": gc_summary(dm0.get("gc"), dm.get("gc")),
                       "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"), dur)}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -212,6 +213,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "server": server,
         "per_request": [asdict(r) | {"itl": None} for r in results] if args.per_request else None,
     }
+
+
+def gc_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The daemon's garbage collections over the run, per generation, and their total pause (ms); the
+    longest pause is since the daemon started (a collection of the oldest generation, on the loop
+    every stream shares, is a pause in every stream and in every arrival's route)."""
+    if not before or not after:
+        return None
+    return {"collections": [a - b for a, b in zip(after["collections"], before["collections"])],
+            "pause_ms": [round(a - b, 3) for a, b in zip(after["pause_ms"], before["pause_ms"])],
+            "max_pause_ms_since_start": after["max_pause_ms"], "frozen": after.get("frozen")}
 
 
 def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, dur: float) -> dict[str, Any] | None:
@@ -236,7 +248,8 @@ def outside_split(results: list[Result], ph: dict[str, Any] | None) -> dict[str,
     """The part of each request's TTFT the server's split does not see, matched by response id: from
     the client sending it to the daemon's route beginning (`before_route`: the connection, the HTTP
     parser, the loop's queue before the handler) and from the daemon writing the first frame to the
-    client reading its content (`after_write`: the socket, the client's own loop). One clock: the
+    client reading its content (`after_write`: the socket, the client's own loop; the daemon marks
+    just after its write, so a client that reads at once can come out a hair negative). One clock: the
     client and the server share a host (a remote server's marks are on another clock: then the
     figures are meaningless, and a loopback URL is what `serve-matrix` uses). Means, p50 and p90 in ms,
     and their means over the requests slowest by client TTFT."""
@@ -387,6 +400,11 @@ def table(res: dict[str, Any]) -> str:
         if srv.get("daemon_cpu_us_per_token") is not None:
             lines.append(f"{'daemon CPU per token (us)':<28}{srv['daemon_cpu_us_per_token']:.1f}"
                          f" ({100 * srv['daemon_cpu_share']:.0f} % of one core)")
+        g = srv.get("daemon_gc")
+        if g:
+            lines.append(f"{'daemon GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "
+                         f"{sum(g['pause_ms']):.1f} ms paused; longest since start "
+                         f"{'/'.join(f'{x:.1f}' for x in g['max_pause_ms_since_start'])} ms")
         lp = srv.get("engine_loop")
         if lp:
             parts = ", ".join(f"{k} {100 * lp.get(k + '_share', 0.0):.0f} %" for k in ("step", "send_outputs", "pump", "messages"))

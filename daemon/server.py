@@ -48,6 +48,7 @@ from mleagle.daemon.metrics import Metrics
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
 from mleagle.daemon.structured import Constraint, tool_calls, tool_prompt
 from mleagle.engine.contract.config import MleagleConfig
+from mleagle.engine.contract.gc_watch import GcWatch, freeze
 from mleagle.engine.contract.outputs import RequestOutput, TokenLogprob
 from mleagle.engine.contract.protocol import peak_rss_mb
 from mleagle.engine.contract.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ class Server:
         self.spin_until = 0.0
         self.spinner: asyncio.Task[None] | None = None
         self.spins = 0
+        self.gc = GcWatch().install()  # the loop's collections and their pauses (`/debug/engine`)
 
     def _fatal(self, code: int) -> None:
         if self.on_fatal is not None:
@@ -832,7 +834,8 @@ async def debug_engine(request: web.Request) -> web.Response:
                             "inflight": c.num_inflight, "active_http": srv.active,
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
                                        "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time(),
-                                       "direct_outputs": srv.direct_outputs, "spins": srv.spins}}
+                                       "direct_outputs": srv.direct_outputs, "spins": srv.spins,
+                                       "gc": srv.gc.snapshot()}}
     since = request.query.get("phases_since")
     if since is not None:  # the TTFT splits of the requests after the one numbered `since`
         try:
@@ -962,12 +965,18 @@ def create_app(cfg: MleagleConfig, *, on_fatal: Callable[[int], None] | None = N
             except Exception as e:
                 log.error("the engine failed to start: %s", e)
                 srv._fatal(1)
+                return
+            # What start-up built (aiohttp, pydantic's schemas, the tokenizer the engine handed over)
+            # lives as long as the daemon: out of the collector's reach, a full collection walks only
+            # what serving allocates (the engine process does the same; `gc_watch`).
+            srv.gc.frozen = freeze()
 
         srv._start_task = asyncio.create_task(boot())
         srv.events.start()
 
     async def on_cleanup(app: web.Application) -> None:
         srv.events.stop()
+        srv.gc.remove()
         if srv.spinner is not None:
             srv.spinner.cancel()
         if srv._start_task is not None and not srv._start_task.done():

@@ -5,5 +5,6 @@ torch or the engine's internals: the daemon and `mleagle-tui` import only this p
 (a test proves it), so the TUI installs on a laptop without torch and the daemon starts in well under a
 second. `config` (model, engine and server settings), `sampling_params`, `outputs` (what a request
 yields), `protocol` (daemon-engine messages), `events` (the state-event schema), `event_bus` (the
-bounded bus, the state tracker and the ZMQ transport), `tokenizer` and `detokenizer`.
+bounded bus, the state tracker and the ZMQ transport), `tokenizer`, `detokenizer`, `cli_flags` and
+`gc_watch` (the collector's freeze and pause timing both serving processes use).
 """

@@ -36,6 +36,7 @@ from typing import Any
 import zmq
 
 from mleagle.engine.contract.config import MleagleConfig
+from mleagle.engine.contract.gc_watch import GcWatch, freeze
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.contract.protocol import (
     AbortRequest,
@@ -51,7 +52,6 @@ from mleagle.engine.contract.protocol import (
     encode,
     peak_rss_mb,
 )
-from mleagle.engine.service.gc_watch import GcWatch, freeze
 from mleagle.engine.service.parent import die_with_parent
 
 log = logging.getLogger("mleagle.engine.service.process")

@@ -305,9 +305,10 @@ async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(
     assert [r[0] for r in ph["recent"]] == [seq0 + 1, seq0 + 2, seq0 + 3]
     n = len(ph["names"])
     # Each record names its response and carries the daemon's first and last mark (monotonic, this
-    # host's clock): the route began after the client sent, the frame went out before it arrived.
+    # host's clock): the route began after the client sent; the last mark is taken just after the
+    # frame's write, which the client may read a hair before it.
     assert [rec[1 + n] for rec in ph["recent"]] == ids
-    assert all(len(rec) == n + 4 and sent < rec[2 + n] < rec[3 + n] < got for rec in ph["recent"][-1:])
+    assert all(len(rec) == n + 4 and sent < rec[2 + n] < rec[3 + n] < got + 0.001 for rec in ph["recent"][-1:])
     for rec, client_ttft in zip(ph["recent"], seen):
         parts = rec[1:1 + n]
         assert all(x >= 0 for x in parts), parts

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from mleagle.engine.service.gc_watch import GcWatch, freeze
+from mleagle.engine.contract.gc_watch import GcWatch, freeze
 
 
 def test_a_collection_is_counted_and_timed() -> None:

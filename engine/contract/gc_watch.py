@@ -1,5 +1,6 @@
 """Python's garbage collector in a serving process: freeze what start-up built, and time every collection.
 
+Both serving processes use it (hence the contract: the daemon imports nothing else of the engine).
 A cyclic collection of the oldest generation walks every tracked container the process holds: in the
 engine process that is the model's module tree, the tokenizer's vocabulary and merges, the graph
 runners, and every request alive. Built once and never freed, they need never be walked, so once the
@@ -7,7 +8,8 @@ process is ready `freeze()` collects once and moves everything alive into the pe
 (`gc.freeze`), as SGLang and vLLM do after start-up. `GcWatch` times each collection through
 `gc.callbacks` (a callback pair costs a few microseconds per collection), so a pause that lands in an
 engine step shows in the engine's stats (`/debug/engine`, the benchmarks' JSON) instead of as an
-unexplained slow step.
+unexplained slow step; the daemon freezes once its engine is ready and reports its own collections in
+`/debug/engine` (`daemon.gc`).
 """
 
 from __future__ import annotations
