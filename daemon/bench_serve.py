@@ -215,6 +215,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _tail_stats(xs: list[float], slow: list[float]) -> dict[str, float]:
+    """Seconds `xs` as mean, p50 and p90 in ms, and the mean (ms) of `slow`, the same figure over the
+    slowest tenth of the requests."""
+    q = pct(xs)
+    return {"mean_ms": q["mean"], "p50_ms": q["p50"], "p90_ms": q["p90"], "slowest_tenth_mean_ms": 1e3 * sum(slow) / len(slow)}
+
+
+def _slowest_tenth(items: list[Any], key: Any) -> list[Any]:
+    return sorted(items, key=key, reverse=True)[: max(1, -(-len(items) // 10))]
+
+
 def gc_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """The daemon's garbage collections over the run, per generation, and their total pause (ms); the
     longest pause is since the daemon started (a collection of the oldest generation, on the loop
@@ -261,12 +272,10 @@ def outside_split(results: list[Result], ph: dict[str, Any] | None) -> dict[str,
            if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
     if not got:
         return None
-    slow = sorted(got, key=lambda x: -x[0])[: max(1, -(-len(got) // 10))]
+    slow = _slowest_tenth(got, key=lambda g: g[0])
     out: dict[str, Any] = {"requests": len(got)}
     for i, k in ((1, "before_route"), (2, "after_write")):
-        q = pct([g[i] for g in got])
-        out[k] = {"mean_ms": q["mean"], "p50_ms": q["p50"], "p90_ms": q["p90"],
-                  "slowest_tenth_mean_ms": 1e3 * sum(g[i] for g in slow) / len(slow)}
+        out[k] = _tail_stats([g[i] for g in got], [g[i] for g in slow])
     return out
 
 
@@ -277,17 +286,11 @@ def phase_summary(ph: dict[str, Any] | None) -> dict[str, Any] | None:
     if not ph or not ph.get("recent"):
         return None
     names = ph["names"]
-    rows = [r[1:1 + len(names)] for r in ph["recent"]]
-    totals = [sum(r) for r in rows]
-    slow = [r for _, r in sorted(zip(totals, rows), key=lambda x: -x[0])[: max(1, -(-len(rows) // 10))]]
-    out: dict[str, Any] = {"requests": len(rows), "phases": {}}
-    for i, n in enumerate([*names, "total"]):
-        xs = [r[i] for r in rows] if n != "total" else totals
-        sl = [r[i] for r in slow] if n != "total" else [sum(r) for r in slow]
-        q = pct(xs)
-        out["phases"][n] = {"mean_ms": q["mean"], "p50_ms": q["p50"], "p90_ms": q["p90"],
-                            "slowest_tenth_mean_ms": 1e3 * sum(sl) / len(sl)}
-    return out
+    # each record's phases, then their total (summarised like a phase, and what ranks the slowest)
+    rows = [[*r[1:1 + len(names)], sum(r[1:1 + len(names)])] for r in ph["recent"]]
+    slow = _slowest_tenth(rows, key=lambda r: r[-1])
+    return {"requests": len(rows),
+            "phases": {n: _tail_stats([r[i] for r in rows], [r[i] for r in slow]) for i, n in enumerate([*names, "total"])}}
 
 
 def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc: int, barrier: Any,
@@ -413,16 +416,14 @@ def table(res: dict[str, Any]) -> str:
         if ph:
             lines.append(f"TTFT split in the server, ms ({ph['requests']} requests){'mean':>10}{'p50':>10}{'p90':>10}"
                          f"{'slow 10%':>10}")
-            for n, v in ph["phases"].items():
-                lines.append(f"  {n:<26}{v['mean_ms']:>10.2f}{v['p50_ms']:>10.2f}{v['p90_ms']:>10.2f}"
-                             f"{v['slowest_tenth_mean_ms']:>10.2f}")
+            def row(n: str, v: dict[str, float]) -> str:
+                return f"  {n:<26}{v['mean_ms']:>10.2f}{v['p50_ms']:>10.2f}{v['p90_ms']:>10.2f}{v['slowest_tenth_mean_ms']:>10.2f}"
+
+            lines += [row(n, v) for n, v in ph["phases"].items()]
             out = srv.get("ttft_outside")
             if out:
                 lines.append(f"TTFT outside the split, ms ({out['requests']} requests; slow 10%: by client TTFT)")
-                for n in ("before_route", "after_write"):
-                    v = out[n]
-                    lines.append(f"  {n:<26}{v['mean_ms']:>10.2f}{v['p50_ms']:>10.2f}{v['p90_ms']:>10.2f}"
-                                 f"{v['slowest_tenth_mean_ms']:>10.2f}")
+                lines += [row(n, out[n]) for n in ("before_route", "after_write")]
     if res["errors"]:
         lines.append(f"{'errors':<28}{res['errors']}")
     return "\n".join(lines)

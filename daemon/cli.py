@@ -154,10 +154,6 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (ValueError, ValidationError, OSError) as e:
         print(f"mleagle serve: bad configuration: {e}", file=sys.stderr)
         return 2
-    # The daemon tokenizes one prompt at a time on its event loop; `tokenizers` would hand each to its
-    # thread pool and wait for a worker to wake (an MT-Bench chat prompt after a 5 ms idle gap: 0.25-0.32
-    # ms serial against 0.47-1.0 ms pooled, 2-core dev VM). The user's own setting wins.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from mleagle.daemon.lifecycle import serve
 
     return serve(cfg, access_log=args.access_log)

@@ -8,7 +8,7 @@ request headers leaving (aiohttp's `on_request_headers_sent` trace) to the route
 (`time.monotonic()`, one clock on one host). Nothing of mleagle runs: this is the floor under the
 `before_route` part of `bench serve`'s TTFT (the daemon adds its own per-token work to the same loop).
 On the 2-core dev VM at 32 streams: headers to route 1.9-2.7 ms mean, 3.4-4.7 ms p90; at 4 streams
-1.1 ms.
+0.9-1.1 ms.
 """
 
 from __future__ import annotations

@@ -231,9 +231,9 @@ class ServerConfig(BaseModel):
     engine_ping_timeout_s: float = Field(30.0, ge=0)
     events_include_text: bool = False
     # The engine's state events (`/v1/events`, what `mleagle-tui` shows). Off, the engine process
-    # attaches no telemetry and publishes nothing, and `/v1/events` answers 404 `state_events_off`:
-    # each step then costs the engine's main thread less host time (a speculative step emits ~15
-    # events), which is throughput where that thread is the limit (a small model at a large batch).
+    # attaches no telemetry and publishes nothing, and `/v1/events` answers 404 `state_events_off`.
+    # Their host time is 9-14 % of the engine loop at c32-c64 on an H200 (a speculative step emits ~15
+    # events); turning them off did not move throughput there (results/gpu/ttft_split/, run 4).
     state_events: bool = True
     # With a GPU engine (a CPU engine's forwards need every core, so neither spins): the engine loop
     # after its last step, and the daemon's event loop while few requests are in flight and after the

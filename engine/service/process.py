@@ -385,6 +385,7 @@ def _main(args: argparse.Namespace) -> int:
     pump = _event_pump(args.events)
     try:
         engine = build_engine(cfg)
+        device: str | None = getattr(getattr(engine, "device", None), "type", None)  # "cuda", "cpu"
         if cfg.server.warm_up and hasattr(engine, "warm_up"):
             log.info("engine warmed up in %.2fs", engine.warm_up())  # before ready: no request meets a first use
         tok_dir = None
@@ -400,7 +401,7 @@ def _main(args: argparse.Namespace) -> int:
             spec_steps=int(getattr(engine, "spec_steps", None) or cfg.engine.spec_steps or 0),
             vocab_size=getattr(engine, "vocab_size", None),
             pid=os.getpid(),
-            device=str(getattr(getattr(engine, "device", None), "type", "")) or None,
+            device=device,
             world_size=int(cfg.engine.tp_size),
             max_request_tokens=_max_request_tokens(engine),
         )
@@ -417,8 +418,9 @@ def _main(args: argparse.Namespace) -> int:
              time.perf_counter() - t0, ready.model_name, ready.max_context_len, frozen)
     push.send(encode(ready))
     try:
-        # A CPU engine's forwards run on the cores the daemon needs to serve: it never spins.
-        spin_s = cfg.server.spin_ms / 1e3 if getattr(getattr(engine, "device", None), "type", "cpu") != "cpu" else 0.0
+        # A CPU engine's forwards run on the cores the daemon needs to serve: it never spins (nor does
+        # the daemon beside it, by the same rule on `Ready.device`).
+        spin_s = cfg.server.spin_ms / 1e3 if device not in (None, "cpu") else 0.0
         code = EngineLoop(engine, pull, push, pump, GcWatch(frozen).install(), spin_s).run()
     except zmq.Again:
         log.error("the daemon stopped reading outputs; engine exiting")

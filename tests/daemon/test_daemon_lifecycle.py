@@ -32,6 +32,12 @@ async def test_sigterm_drains_in_flight_then_exits_0():
             # 4 x 400 could finish first on an idle machine, and the server would be gone before them.
             jobs = [asyncio.create_task(gen_stream(s, srv.url, DRAIN_TOKENS, first)) for _ in range(8)]
             await asyncio.wait_for(first.wait(), 30)
+            # All eight admitted before the signal (on a loaded machine the first can stream while the
+            # last is still connecting, and a request that arrives after the signal is refused).
+            deadline = time.monotonic() + 30
+            while (await asyncio.to_thread(srv.engine))["active_http"] < 8:
+                assert time.monotonic() < deadline, "the eight requests were never all in flight"
+                await asyncio.sleep(0.02)
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
