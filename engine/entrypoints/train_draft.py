@@ -85,6 +85,10 @@ def _train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aux-layers", default="",
                    help="comma list of target layers whose output streams draft layer 0 also reads (fused features, "
                         "as EAGLE-3; e.g. 2,15 for a 30-layer target); default none")
+    g.add_argument("--tie-blocks", default="",
+                   help="comma list k:j: layer k runs layer j's decoder blocks (one set of weights trained at both "
+                        "depths; layer k keeps its own input projection and norms), so a deeper draft costs "
+                        "little storage; e.g. 3:1,4:2 for a 5-layer draft")
     g.add_argument("--epochs", type=float, default=4.0, help="at most this many passes over the data")
     g.add_argument("--steps", type=int, default=None)
     g.add_argument("--lr", type=float, default=6e-4)
@@ -105,7 +109,8 @@ def _train(p: argparse.ArgumentParser) -> None:
                    help="train on these data folders or exported data.npz files (comma list; default OUT/data); "
                         "`all` then skips generate")
     g.add_argument("--init-draft", default=None,
-                   help="start from this saved draft (same layer count; its draft vocabulary is kept)")
+                   help="start from this saved draft (its draft vocabulary is kept; --layers may add layers, each a copy "
+                        "of its --tie-blocks source or of the last saved layer)")
     g.add_argument("--widen-vocab", action="store_true",
                    help="with --init-draft: drop its reduced draft vocabulary, train and serve over the target's")
     g.add_argument("--holdout-seqs", type=int, default=64)
@@ -195,6 +200,8 @@ def check_inputs(a: argparse.Namespace) -> None:
         raise ValueError(f"--blocks must be >= 1, not {a.blocks}")
     if hasattr(a, "aux_layers"):
         aux_layers(a)
+    if hasattr(a, "tie_blocks"):
+        tied_blocks(a)
     init = getattr(a, "init_draft", None)
     if init and not Path(init).is_dir():
         raise FileNotFoundError(f"--init-draft {init}: no such draft folder")
@@ -325,11 +332,23 @@ def aux_layers(a: argparse.Namespace) -> list[int]:
         raise ValueError(f"--aux-layers {a.aux_layers!r}: expected a comma list of target layer indices") from None
 
 
+def tied_blocks(a: argparse.Namespace) -> dict[int, int]:
+    from mleagle.engine.spec.draft_model import check_ties
+
+    try:
+        tied = {int(k): int(j) for k, j in (x.split(":") for x in a.tie_blocks.split(",") if x.strip())}
+    except ValueError:
+        raise ValueError(f"--tie-blocks {a.tie_blocks!r}: expected a comma list of k:j layer pairs") from None
+    check_ties(tied, a.layers)
+    return tied
+
+
 def train_config(a: argparse.Namespace) -> Any:
     from mleagle.engine.spec.train import TrainConfig
 
     dw = [float(x) for x in a.depth_weights.split(",")] if a.depth_weights else []
-    return TrainConfig(layers=a.layers, blocks=a.blocks, aux_layers=aux_layers(a), epochs=a.epochs, steps=a.steps,
+    return TrainConfig(layers=a.layers, blocks=a.blocks, aux_layers=aux_layers(a), tied=tied_blocks(a),
+                       epochs=a.epochs, steps=a.steps,
                        lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
                        kl_weight=a.kl_weight, ce_weight=a.ce_weight, depth_weights=dw, prompt_weight=a.prompt_weight,
                        init=a.init, amp=not a.no_amp, chunk_rows=a.chunk_rows, seed=a.seed,
@@ -353,8 +372,12 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
         from mleagle.engine.spec.checkpoint import load_draft
 
         start = load_draft(a.init_draft, model.arch)
-        if len(start.layers) != a.layers:
+        if len(start.layers) > a.layers:
             raise ValueError(f"--init-draft {a.init_draft} has {len(start.layers)} layers, --layers is {a.layers}")
+        if any(start.tied.get(k, j) != j for k, j in tied_blocks(a).items()) or \
+                any(k not in tied_blocks(a) for k in start.tied):
+            raise ValueError(f"--init-draft {a.init_draft} ties blocks {start.tied}, --tie-blocks gives "
+                             f"{tied_blocks(a)}: a run may tie the blocks of new layers only")
         if start.blocks > a.blocks or (start.aux_layers and list(start.aux_layers) != aux_layers(a)):
             raise ValueError(f"--init-draft {a.init_draft} has {start.blocks} block(s) per step and aux layers "
                              f"{list(start.aux_layers)}; a run may add blocks and fused features, not drop them "
@@ -375,12 +398,18 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     n_tok = sum(len(s) for s in train_s)
     log(f"train: {len(train_s)} sequences ({n_tok} tokens), {len(held)} held out")
     rms = hidden_rms(model, train_s) if a.init == "last" else 1.0
-    stack = init_stack(model, a.layers, a.init, a.seed, rms, vocab_ids, a.blocks, aux_layers(a))
+    stack = init_stack(model, a.layers, a.init, a.seed, rms, vocab_ids, a.blocks, aux_layers(a), tied_blocks(a))
     if start is not None:  # grown: what the start draft lacks starts neutral (`load_layer`)
         from mleagle.engine.spec.checkpoint import load_layer
 
-        for m, w in zip(stack.layers, start.layers):
-            load_layer(m, {k: v.float() for k, v in w.items()}, grow=True)
+        n0 = len(start.layers)
+        for k, m in enumerate(stack.layers):  # a layer past the source's starts as its tie source, or the last
+            w = start.layers[k if k < n0 else stack.tied.get(k, n0 - 1)]
+            load_layer(m, {n: v.float() for n, v in w.items()}, grow=True)
+        if a.layers > n0:
+            log(f"train: layers {n0}..{a.layers - 1} added, each a copy of "
+                + ", ".join(f"{k}←{stack.tied.get(k, n0 - 1)}" for k in range(n0, a.layers))
+                + (f"; tied blocks {stack.tied}" if stack.tied else ""))
     cfg = train_config(a)
     ckpt = Path(a.ckpt_dir) if a.ckpt_dir else out / "ckpt"
     log_file = out / "train_log.jsonl"
@@ -630,6 +659,8 @@ def card(summary: dict[str, Any]) -> str:
              + (f" ({c['blocks']} decoder blocks per step)" if c.get("blocks", 1) > 1 else "")
              + (f", layer 0 also reading the target's streams after layers {c['aux_layers']} (fused features)"
                 if c.get("aux_layers") else "")
+             + (", layers " + ", ".join(f"{k} and {j}" for k, j in sorted(c["tied"].items()))
+                + " running the same decoder blocks (stored once)" if c.get("tied") else "")
              + ", trained by `mleagle train-draft` on the target's own responses. mleagle format (`draft_config.json` "
              "+ bf16 safetensors shards); load with `--draft PATH`.", "",
              "## Data", ""]

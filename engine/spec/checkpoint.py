@@ -7,7 +7,9 @@ weights in `files`: `draft.safetensors`, or `draft-00001-of-0000N.safetensors` s
 holding `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`, `layers.{k}.block.<HF decoder-layer names>`
 (`block1.`, `block2.`, ... for further blocks of a step), for fused target features
 `layers.0.aux_proj.weight` and `layers.0.anorm.{i}.weight`, and, for a reduced draft vocabulary,
-`vocab_ids` (the target ids the draft head covers, see `DraftHead`). Version 1 folders (one
+`vocab_ids` (the target ids the draft head covers, see `DraftHead`). `tied_blocks` ({"k": j}) says layer
+k runs layer j's decoder blocks: its `block*` weights are not stored, and loading copies layer j's in.
+Version 1 folders (one
 `draft.safetensors`, no `files`) and version 2 (no `blocks_per_layer`, `aux_layers`: one block, no
 fused features) load unchanged. Weights are stored in the dtype asked for (bfloat16
 for shipped drafts) and cast to the engine's at load. Import maps the common MTP namings: MiMo-style
@@ -19,14 +21,14 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mleagle.engine.contract.config import MAX_SPEC_STEPS, ModelArch
 from mleagle.engine.models.llama import DecoderLayer
-from mleagle.engine.spec.draft_model import DraftStack, MTPLayer
+from mleagle.engine.spec.draft_model import DraftStack, MTPLayer, check_ties
 
 FORMAT = "mleagle-mtp"
 _BLOCK_KEYS = ("input_layernorm.", "post_attention_layernorm.", "self_attn.", "mlp.")
@@ -75,14 +77,17 @@ def block_state(b: DecoderLayer, p: str) -> dict[str, torch.Tensor]:
 
 
 def layer_state(stack: DraftStack, k: int) -> dict[str, torch.Tensor]:
+    """Layer k's weights relative to the layer; a layer with tied blocks (`DraftStack.tie_blocks`) leaves
+    them out: its source layer holds them."""
     m: MTPLayer = stack.layers[k]
     st = {"enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj.weight,
           "norm.weight": m.norm.weight}
     if m.aux:
         st["aux_proj.weight"] = m.aux_proj.weight
         st |= {f"anorm.{i}.weight": n.weight for i, n in enumerate(m.anorm)}
-    for i, b in enumerate(m.blocks):
-        st |= block_state(b, block_prefix(i))
+    if k not in stack.tied:
+        for i, b in enumerate(m.blocks):
+            st |= block_state(b, block_prefix(i))
     return st
 
 
@@ -126,6 +131,7 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
            "dtype": dtypes[0] if len(dtypes) == 1 else dtypes, "files": names,
            "draft_vocab_size": None if stack.vocab_ids is None else int(stack.vocab_ids.numel()),
            "blocks_per_layer": stack.blocks_per_layer, "aux_layers": list(stack.aux_layers),
+           "tied_blocks": {str(k): j for k, j in sorted(stack.tied.items())},
            "arch": stack.arch.model_dump(mode="json")}
     (p / "draft_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return [p / n for n in names]
@@ -171,6 +177,7 @@ class DraftCheckpoint:
     vocab_ids: torch.Tensor | None = None  # reduced draft vocabulary (target ids), or None
     blocks: int = 1  # decoder blocks per draft step
     aux_layers: tuple[int, ...] = ()  # target layers whose streams layer 0 also reads
+    tied: dict[int, int] = field(default_factory=dict)  # layer → the layer whose blocks it runs (copied in)
 
 
 def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
@@ -204,13 +211,20 @@ def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
     if vocab is not None and cfg.get("draft_vocab_size") not in (None, vocab.numel()):
         raise ValueError(f"draft {path}: vocab_ids has {vocab.numel()} ids, the config says {cfg['draft_vocab_size']}")
     blocks, aux = int(cfg.get("blocks_per_layer", 1)), tuple(int(i) for i in cfg.get("aux_layers") or ())
+    tied = {int(k): int(j) for k, j in (cfg.get("tied_blocks") or {}).items()}
+    try:
+        check_ties(tied, n)
+    except ValueError as err:
+        raise ValueError(f"draft {path}: {err}") from None
+    for k, j in tied.items():  # the source's block weights, under this layer's names (the same tensors)
+        layers[k] |= {name: t for name, t in layers[j].items() if name.startswith("block")}
     for k, w in enumerate(layers):
         want = [f"{block_prefix(i)}.input_layernorm.weight" for i in range(blocks)]
         want += ["aux_proj.weight"] if k == 0 and aux else []
         lack = [n for n in want if n not in w]
         if lack:
             raise ValueError(f"draft {path}: layer {k} lacks {lack} (blocks_per_layer={blocks}, aux_layers={list(aux)})")
-    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab, blocks, aux)
+    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab, blocks, aux, tied)
 
 
 def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:

@@ -260,6 +260,7 @@ class DraftStack(nn.Module):
                              f"0..{arch.num_hidden_layers - 2} (the last layer's stream is always read)")
         self.arch, self.chain = arch, chain
         self.aux_layers = aux_layers
+        self.tied: dict[int, int] = {}  # layer → the layer whose blocks it runs (`tie_blocks`)
         self.head = DraftHead(lm_head, vocab_ids)
         self.layers = ModuleListOf(MTPLayer(arch, dtype, embed, lm_head, rope, layout, replicate, self.head, blocks,
                                              len(aux_layers) if k == 0 else 0)
@@ -279,5 +280,23 @@ class DraftStack(nn.Module):
         for m in self.layers:
             m.head = self.head
 
+    def tie_blocks(self, tied: dict[int, int]) -> None:
+        """Layer k runs layer tied[k]'s decoder blocks (the same modules: one set of weights, trained at
+        every depth that runs it), keeping its own input projection and norms. Deeper steps then cost no
+        storage but those few weights; each step still has its own runner and KV pool. Serving stacks
+        load the blocks into each layer instead (`load_draft` copies them), which computes the same."""
+        check_ties(tied, len(self.layers))
+        for k, j in tied.items():
+            self.layers[k].blocks = self.layers[j].blocks
+        self.tied = dict(tied)
+
     def __len__(self) -> int:
         return len(self.layers)
+
+
+def check_ties(tied: dict[int, int], layers: int) -> None:
+    """A tie k → j needs 0 <= j < k < layers and j untied (one owner per set of blocks)."""
+    for k, j in tied.items():
+        if not 0 <= j < k < layers or j in tied:
+            raise ValueError(f"tied blocks {k}->{j}: a layer may run the blocks of an earlier, untied layer "
+                             f"(0 <= j < k < {layers})")

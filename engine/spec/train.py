@@ -61,6 +61,7 @@ class TrainConfig:
     layers: int = 3
     blocks: int = 1  # decoder blocks per draft step
     aux_layers: list[int] = field(default_factory=list)  # target layers whose streams layer 0 also reads
+    tied: dict[int, int] = field(default_factory=dict)  # layer → the layer whose blocks it runs (shared)
     epochs: float = 4.0  # at most this many passes over the training data
     steps: int | None = None  # at most this many optimizer steps (None: epochs decide)
     time_budget_s: float | None = None  # stop (and finish the LR schedule) after this much training time
@@ -261,12 +262,15 @@ def distill_loss(hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: tor
 
 # --- the draft ---------------------------------------------------------------------------------------------
 def init_stack(model: LlamaForCausalLM, layers: int, init: str = "last", seed: int = 0, hidden_rms: float = 1.0,
-               vocab_ids: torch.Tensor | None = None, blocks: int = 1, aux_layers: Sequence[int] = ()) -> DraftStack:
+               vocab_ids: torch.Tensor | None = None, blocks: int = 1, aux_layers: Sequence[int] = (),
+               tied: dict[int, int] | None = None) -> DraftStack:
     """A float32 chain stack on the target's device sharing its embedding, head and rope; trainable.
 
     "last": each block starts as the target's last decoder layer, the final norm as the target's,
     eh_proj as [0 | I] (passes the hidden through) and hnorm scaled to the hidden's RMS, so the
-    stack starts close to a working layer; "random": small random weights (checkpoint.random_layer_weights)."""
+    stack starts close to a working layer; "random": small random weights (checkpoint.random_layer_weights).
+    `tied` (layer → earlier layer): that layer runs the other's blocks, one set of weights trained at both
+    depths (`DraftStack.tie_blocks`)."""
     from mleagle.engine.spec.checkpoint import load_layer, random_layer_weights
 
     if init not in ("last", "random"):
@@ -290,6 +294,8 @@ def init_stack(model: LlamaForCausalLM, layers: int, init: str = "last", seed: i
                 m.hnorm.weight.fill_(hidden_rms)  # the residual stream keeps the target's scale
                 m.eh_proj.weight.zero_()
                 m.eh_proj.weight[:, h:] = torch.eye(h)
+    if tied:
+        stack.tie_blocks(tied)
     for p in trainable(stack):
         p.requires_grad_(True)
     return stack
@@ -321,6 +327,8 @@ class Trainer:
                  ckpt_dir: str | Path | None = None, log_file: str | Path | None = None):
         if cfg.layers != len(stack):
             raise ValueError(f"config has {cfg.layers} layers, the stack {len(stack)}")
+        if cfg.tied != stack.tied:
+            raise ValueError(f"config has tied blocks {cfg.tied}; the stack {stack.tied}")
         if cfg.blocks != stack.blocks_per_layer or tuple(cfg.aux_layers) != stack.aux_layers:
             raise ValueError(f"config has blocks={cfg.blocks}, aux_layers={cfg.aux_layers}; the stack "
                              f"{stack.blocks_per_layer}, {list(stack.aux_layers)}")
@@ -426,7 +434,7 @@ class Trainer:
         if st["num_seqs"] != len(self.seqs):
             raise ValueError(f"{f}: saved with {st['num_seqs']} training sequences, now {len(self.seqs)}: "
                              "the data changed; start afresh (without --resume) or restore the data")
-        for key in ("layers", "blocks", "aux_layers", "batch_tokens", "max_len", "seed"):
+        for key in ("layers", "blocks", "aux_layers", "tied", "batch_tokens", "max_len", "seed"):
             saved = st["cfg"].get(key, getattr(TrainConfig(), key))  # states from before a key existed
             if saved != getattr(self.cfg, key):
                 raise ValueError(f"{f}: saved with {key}={saved}, now {getattr(self.cfg, key)}")
@@ -601,7 +609,7 @@ def train_throughput(model: LlamaForCausalLM, cfg: TrainConfig, draft_vocab: int
     seqs = [Seq(ids[i].numpy(), t // 4) for i in range(bs)]
     vocab = torch.arange(draft_vocab) if draft_vocab and draft_vocab < model.arch.vocab_size else None
     tr = Trainer(model, init_stack(model, cfg.layers, "random", cfg.seed, vocab_ids=vocab, blocks=cfg.blocks,
-                                   aux_layers=cfg.aux_layers), seqs, cfg)
+                                   aux_layers=cfg.aux_layers, tied=cfg.tied), seqs, cfg)
     b = collate(seqs, t, dev)
     times = []
     for _ in range(steps):

@@ -109,6 +109,57 @@ def test_grown_draft_starts_where_its_source_was_and_serves_exactly(tmp_path: Pa
         T.init_stack(e.model, 1, "random", aux_layers=(1,))  # the last layer's stream is read anyway
 
 
+def test_tied_blocks_are_stored_once_trained_at_every_depth_and_serve_exactly(tmp_path: Path) -> None:
+    """A 5-layer draft whose layers 3 and 4 run the blocks of layers 1 and 2 (`--tie-blocks 3:1,4:2`):
+    training shares the modules (one gradient from both depths), the checkpoint stores the blocks once,
+    loading copies them in, and the copies compute what the shared modules did, in training and through
+    the engine (greedy equal to target-only, eager and through the emulated graph runners)."""
+    from safetensors.torch import load_file
+
+    from mleagle.engine.spec.checkpoint import load_draft, load_layer
+    from mleagle.engine.spec.draft_model import check_ties
+
+    e = tiny_engine()
+    tied = T.init_stack(e.model, 5, "random", 9, tied={3: 1, 4: 2})
+    plain = T.init_stack(e.model, 5, "random", 9)
+    assert tied.layers[3].blocks is tied.layers[1].blocks and tied.tied == {3: 1, 4: 2}
+    per_block = sum(p.numel() for p in plain.layers[1].blocks.parameters())
+    assert sum(p.numel() for p in T.trainable(tied)) == sum(p.numel() for p in T.trainable(plain)) - 2 * per_block
+    with torch.no_grad():
+        for p in T.trainable(tied):
+            p.add_(torch.randn_like(p) * 0.05)
+    seq = torch.tensor([[5, 17, 33, 2, 99, 41, 7, 8, 100, 3, 250, 12, 60, 61]])
+    _, logits = T.stack_logits(e.model, tied, seq)
+    q = tied.layers[1].blocks[0].self_attn.o_proj.weight
+    q.grad = None
+    with torch.enable_grad():
+        h = T.mtp_forward(tied.layers[3], torch.randn(1, 14, 64), seq, *T.rope_tables(e.model, 14, seq.device))
+        h.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0  # depth 4's loss trains layer 1's blocks
+    save_draft(tied, tmp_path / "d", torch.float32)
+    names = {n for f in (tmp_path / "d").glob("*.safetensors") for n in load_file(str(f))}
+    assert not any(n.startswith(("layers.3.block", "layers.4.block")) for n in names)
+    assert "layers.3.eh_proj.weight" in names and "layers.1.block.mlp.down_proj.weight" in names
+    ck = load_draft(tmp_path / "d", e.model.arch)
+    assert ck.tied == {3: 1, 4: 2} and len(ck.layers) == 5
+    assert torch.equal(ck.layers[4]["block.mlp.down_proj.weight"], ck.layers[2]["block.mlp.down_proj.weight"])
+    copies = T.init_stack(e.model, 5, "random", 1)
+    for m, w in zip(copies.layers, ck.layers):
+        load_layer(m, w)
+    for a, b in zip(logits, T.stack_logits(e.model, copies, seq)[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    prompts = [[random.Random(70 + i).randrange(1, 256) for _ in range(8)] for i in range(6)]
+    ref = run(tiny_engine(), prompts, greedy(24))
+    for over in ({}, {"graph_emulate": True}):
+        se = tiny_engine(str(tmp_path / "d"), **over)
+        assert run(se, prompts, greedy(24)) == ref, over
+        assert len(se.worker.drafts) == 5 and se.worker.stats.num_draft_tokens > 0
+        assert all_free(se)
+    for bad in ({2: 3}, {3: 1, 1: 0}, {5: 1}, {1: 1}):
+        with pytest.raises(ValueError, match="tied blocks"):
+            check_ties(bad, 5)
+
+
 def test_distill_loss_gradient_matches_autograd() -> None:
     g = torch.Generator().manual_seed(0)
     n, h, v = 37, 16, 50
@@ -562,6 +613,19 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
     assert a.vocab_ids is not None and len(a.vocab_ids) == 1024 and b.vocab_ids is None
     for wa, wb in zip(a.layers, b.layers, strict=True):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # ... or deeper: two layers added, running the blocks of layers 0 and 1; each starts as a copy of its
+    # source, and the old layers carry over (lr 0)
+    deep = ["train-draft", "train", "--out", str(tmp_path / "deep"), "--data", str(exp / "data.npz"),
+            "--init-draft", str(exp / "draft"), "--steps", "1", "--lr", "0", "--warmup", "0", *common[:-6],
+            "--holdout-seqs", "4", "--log-every-s", "100"]
+    deep[deep.index("--layers") + 1] = "4"
+    assert cli.main([*deep, "--tie-blocks", "1:1"]) == 2 and not (tmp_path / "deep").exists()
+    assert cli.main([*deep, "--tie-blocks", "2:0,3:1"]) == 0
+    c = load_draft(tmp_path / "deep" / "draft", arch)
+    assert c.tied == {2: 0, 3: 1} and len(c.layers) == 4
+    for k, src in enumerate([0, 1, 0, 1]):
+        assert c.layers[k].keys() == a.layers[src].keys()
+        assert all(torch.equal(c.layers[k][n], a.layers[src][n]) for n in c.layers[k])
 
 
 def test_generation_cut_by_its_budget_keeps_what_was_made(tmp_path: Path) -> None:
