@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args
+from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args, depth_list
 from mleagle.engine.contract.config import MleagleConfig, load_config
 
 # flag -> (section, field)
@@ -47,6 +47,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "draft": ("engine", "draft"),
     "spec_steps": ("engine", "spec_steps"),
     "spec_policy": ("engine", "spec_policy"),
+    "spec_depths": ("engine", "spec_depths"),
     "attention_backend": ("engine", "attention_backend"),
     "max_total_tokens": ("engine", "max_total_tokens"),
     "kv_memory_mb": ("engine", "kv_memory_mb"),
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-steps", type=int, default=None)
     ap.add_argument("--spec-policy", choices=["auto", "always", "off", "cycle"], default=None,
                     help="draft steps per iteration: auto (0..S, whatever pays; default), always (S), off (0)")
+    ap.add_argument("--spec-depths", type=depth_list, default=None,
+                    help="comma list of the depths auto chooses between (default 0,S; e.g. 0,3,5)")
     ap.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                     help="auto: triton on CUDA, torch on the CPU")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (per runner)")

@@ -25,6 +25,14 @@ def add_device_args(ap: argparse.ArgumentParser | Any, device: str | None = None
                          + (f" (default {dtype})" if dtype else " (default: the config's)"))
 
 
+def depth_list(s: str) -> list[int]:
+    """--spec-depths: a comma list of draft depths ("0,3,5")."""
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of depths, not {s!r}") from None
+
+
 def resolve_device(device: str, dtype: str) -> tuple[str, str]:
     """("auto" resolved) device and dtype, as the engine resolves them."""
     e = EngineConfig(device=device, dtype=dtype)  # type: ignore[arg-type]

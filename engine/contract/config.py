@@ -124,6 +124,9 @@ class EngineConfig(BaseModel):
     # iteration for the most tokens/s from measured costs and acceptance; "always" runs S; "off" never
     # drafts (the draft is loaded but idle); "cycle" runs 0..S in turn (for testing exactness).
     spec_policy: Literal["auto", "always", "off", "cycle"] = "auto"
+    # The depths `auto` chooses between: 0 and S by default; depths in between may be added (e.g. [0, 3, 5]
+    # for a 5-step draft whose deep steps pay at small batches only). Each in 0..S; 0 and S are always in.
+    spec_depths: list[int] | None = None
     # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
     enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)

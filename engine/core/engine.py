@@ -250,7 +250,7 @@ class Engine:
 
             e = self.cfg.engine
             kw = {"prefix_cache": self.mem.cache is not None,  # a reference worker may refuse the cache
-                  "policy": e.spec_policy, "tp_size": e.tp_size, **kw}
+                  "policy": e.spec_policy, "depths": e.spec_depths, "tp_size": e.tp_size, **kw}
             parts = build_spec_worker(self.cfg.engine, self.arch, self.model, self.target, self.mem,
                                       max_reqs=self.max_reqs, dtype=self.dtype, device=self.device,
                                       eos_ids=frozenset(self.eos_ids), cls=cls or SpecWorker, **kw)

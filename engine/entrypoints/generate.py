@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args, tp_overrides
+from mleagle.engine.contract.cli_flags import add_device_args, add_tp_args, depth_list, tp_overrides
 
 EXIT_USAGE = 2
 
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-steps", type=int, default=None)
     p.add_argument("--spec-policy", choices=["auto", "always", "off", "cycle"], default=None,
                    help="draft steps per iteration: auto (0..S, whatever pays; default), always (S), off (0)")
+    p.add_argument("--spec-depths", type=depth_list, default=None,
+                   help="comma list of the depths auto chooses between (default 0,S; e.g. 0,3,5)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=None,
                    help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
@@ -101,7 +103,8 @@ def validation_message(e: ValidationError) -> str:
 
 def engine_overrides(a: argparse.Namespace) -> dict[str, Any]:
     keys = {"device": a.device, "dtype": a.dtype, "draft": a.draft, "spec_steps": a.spec_steps,
-            "spec_policy": a.spec_policy, "max_total_tokens": a.max_total_tokens, "max_context_len": a.max_context_len,
+            "spec_policy": a.spec_policy, "spec_depths": a.spec_depths, "max_total_tokens": a.max_total_tokens,
+            "max_context_len": a.max_context_len,
             "max_running_requests": a.max_running_requests, "chunked_prefill_size": a.chunked_prefill_size,
             "threads": a.threads, "seed": a.seed, "attention_backend": a.attention_backend,
             "enable_prefix_cache": False if a.disable_prefix_cache else None}

@@ -59,6 +59,8 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
     steps = ecfg.spec_steps or min(len(layers), MAX_SPEC_STEPS)
     if steps > len(layers):
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
+    if ecfg.spec_depths is not None and not all(0 <= d <= steps for d in ecfg.spec_depths):
+        raise EngineInputError(f"--spec-depths {ecfg.spec_depths}: each must be in 0..{steps} (the draft's steps)")
     tp_size = model.tp.size
     replicate = tp_size > 1 and ecfg.draft_tp == "replicate"
     if tp_size > 1 and not replicate:

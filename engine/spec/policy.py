@@ -27,9 +27,11 @@ makes a third of the tokens, so a deep iteration that meets three times the arri
 one (results/BENCH_POLICY.md, "The CPU at concurrency 4").
 Under a heavy arrival rate the pass costs more than drafting saves, so the batch decodes plainly and
 its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
-`auto` chooses between depth 0 and S (`choices`): a depth in between leaves the layers past it behind,
-so every return to S would pay a catch-up, and on the machines measured it never beat both ends
-(results/BENCH_POLICY.md); the worker runs any depth (`cycle` exercises them all).
+`auto` chooses between depth 0 and S (`choices`) unless the engine's `spec_depths` adds depths in
+between: such a depth leaves the layers past it behind, so every return to S pays a catch-up, and with
+a 3-step draft it never beat both ends on the machines measured (results/BENCH_POLICY.md); a deeper
+draft whose last steps pay only at small batches is where one helps. The worker runs any depth
+(`cycle` exercises them all).
 
 Modes: `auto` (the above), `always` (depth S, the fixed behaviour), `off` (depth 0, the draft never
 runs; its layers are not even prefilled), and `cycle` (0, 1, …, S, 0, … one per iteration: for tests

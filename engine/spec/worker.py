@@ -128,7 +128,8 @@ class IterationStats:
 class SpecWorker(TargetWorker):
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(), vocab: int = 0,
-                 max_reqs: int = 0, prefix_cache: bool = False, policy: str = "always", tp_size: int = 1):
+                 max_reqs: int = 0, prefix_cache: bool = False, policy: str = "always", tp_size: int = 1,
+                 depths: list[int] | None = None):
         # `prefix_cache` (whether the engine keeps one) is told to every worker class: this one serves
         # with or without it, a measuring subclass may refuse it.
         if not 1 <= steps <= len(drafts):
@@ -138,7 +139,10 @@ class SpecWorker(TargetWorker):
         self.chain, self.steps = chain, steps
         self.lookahead = steps + 1
         self.depth = steps
-        self.policy = SpecPolicy(policy, steps, publish=tp_size > 1)
+        if depths is not None and not all(0 <= d <= steps for d in depths):
+            raise ValueError(f"spec depths {depths}: each must be in 0..{steps} (the draft steps)")
+        choices = sorted({0, steps, *depths}) if depths is not None else None
+        self.policy = SpecPolicy(policy, steps, choices=choices, publish=tp_size > 1)
         self.drafting = policy != "off"  # off: the draft layers never run, not even at prefill
         # Depths below S leave draft layers behind (and a prefill may leave them out altogether); their
         # catch-up reads the target's hidden states of the positions it covers from this pool, one row

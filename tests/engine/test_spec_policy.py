@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.core.engine import EngineInputError
 from mleagle.engine.spec.policy import Decision, SpecPolicy, size_bucket
 from tests.spec_helpers import all_free, greedy, oracle_engine, run, tiny_engine
 
@@ -425,3 +426,15 @@ def test_a_put_off_draft_prefill_catches_up_through_the_prefix_cache(draft: str)
     assert all_free(e)
     again = e.generate([seq], greedy(10))[0].token_ids  # a hit on complete draft KV now
     assert again == run(tiny_engine(), [seq], greedy(10))[0]
+
+
+def test_spec_depths_add_depths_between_for_auto() -> None:
+    """`spec_depths` gives `auto` depths between 0 and S to choose from (0 and S always in): each gets its
+    whole-iteration graph, the output stays exact, and a depth past the draft's steps is refused."""
+    ref = _ref(0)
+    e = tiny_engine("random:3:2", spec_policy="auto", spec_depths=[2], graph_emulate=True, max_running_requests=8)
+    assert e.worker.policy.choices == [0, 2, 3] and e.worker.graph_depths() == [0, 2, 3]
+    assert run(e, PROMPTS, greedy(20)) == ref
+    assert sorted(e.worker.iter_graphs) == [0, 2, 3] and all_free(e)
+    with pytest.raises(EngineInputError, match="spec-depths"):
+        tiny_engine("random:3:2", spec_depths=[0, 4])
