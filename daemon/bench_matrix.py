@@ -71,6 +71,10 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     # serving path's (sending outputs, state events, the daemon's messages) rather than steps.
     ("engine_busy", ("server", "engine_loop", "busy_share"), "engine loop busy"),
     ("engine_step_share", ("server", "engine_loop", "step_share"), "engine step share"),
+    # What the speculation ran: its mean draft depth per decode iteration (the policy's mix of S') and
+    # the accept length of its verifies; "-" for a target-only server.
+    ("mean_depth", ("server", "spec", "mean_depth"), "mean depth"),
+    ("accept_len", ("server", "spec", "accept_len"), "accept length"),
     # The load generator's own CPU share of one core: near 1, its queueing is in its TTFT and ITL.
     ("client_cpu_share", ("client_cpu_share",), "client CPU share"),
 ]

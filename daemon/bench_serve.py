@@ -200,7 +200,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "ttft_phases": phase_summary(dm.get("ttft_phases")),
                       "ttft_outside": outside_split(results, dm.get("ttft_phases")),
                       "daemon_gc": gc_summary(dm0.get("gc"), dm.get("gc")),
-                      "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"), dur)}
+                      "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"), dur),
+                      "spec": spec_summary(d0.get("stats"), d.get("stats"))}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -252,6 +253,33 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
         if k.endswith("_s") and isinstance(v, (int, float)):
             out[k[:-2] + "_share"] = (v - before.get(k, 0.0)) / dur
     out["busy_share"] = sum(out.get(k + "_share", 0.0) for k in ("step", "send_outputs", "pump", "messages", "pong"))
+    return out
+
+
+def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the speculation ran over the run (a speculative server's counters before and after; None for
+    target-only): its decode iterations, the share at each draft depth S' and their mean, the accept
+    length of the verifies (1 + accepted drafts per verify, the bonus token counted), and the policy's
+    own moves (switches, explorations, catch-ups and their time). Where `auto` lands below `always`,
+    this says whether it drafted less or paid for switching."""
+    pb, pa = (before or {}).get("spec_policy"), (after or {}).get("spec_policy")
+    sb, sa = (before or {}).get("spec"), (after or {}).get("spec")
+    if not pa or not pb or not sa or not sb:
+        return None
+    n0, n1 = pb.get("iterations_by_depth") or [], pa.get("iterations_by_depth") or []
+    by_depth = [b - (n0[i] if i < len(n0) else 0) for i, b in enumerate(n1)]
+    its = sum(by_depth)
+    verify = sa.get("num_verify", 0) - sb.get("num_verify", 0)
+    acc = sa.get("num_accepted_tokens", 0) - sb.get("num_accepted_tokens", 0)
+    out: dict[str, Any] = {
+        "iterations": its,
+        "depth_share": [round(x / its, 4) for x in by_depth] if its else None,
+        "mean_depth": sum(d * x for d, x in enumerate(by_depth)) / its if its else None,
+        "accept_len": 1 + acc / verify if verify else None,
+    }
+    for k in ("switches", "explore_iterations", "catch_ups", "catch_up_positions"):
+        out[k] = pa.get(k, 0) - pb.get(k, 0)
+    out["catch_up_ms"] = 1e3 * (pa.get("catch_up_s", 0.0) - pb.get("catch_up_s", 0.0))
     return out
 
 
@@ -412,6 +440,13 @@ def table(res: dict[str, Any]) -> str:
         if lp:
             parts = ", ".join(f"{k} {100 * lp.get(k + '_share', 0.0):.0f} %" for k in ("step", "send_outputs", "pump", "messages"))
             lines.append(f"{'engine loop busy':<28}{100 * lp['busy_share']:.0f} % of the run ({parts}; {lp['steps']} steps)")
+        sp = srv.get("spec")
+        if sp and sp["iterations"]:
+            mix = " ".join(f"{d}:{100 * x:.0f}%" for d, x in enumerate(sp["depth_share"]) if x)
+            acc = f", accept length {sp['accept_len']:.2f}" if sp["accept_len"] else ""
+            lines.append(f"{'speculation':<28}{sp['iterations']} iterations by depth {mix}, mean depth "
+                         f"{sp['mean_depth']:.2f}{acc}; {sp['switches']} switches, {sp['explore_iterations']} "
+                         f"explored, {sp['catch_ups']} catch-ups ({sp['catch_up_ms']:.1f} ms)")
         ph = srv.get("ttft_phases")
         if ph:
             lines.append(f"TTFT split in the server, ms ({ph['requests']} requests){'mean':>10}{'p50':>10}{'p90':>10}"

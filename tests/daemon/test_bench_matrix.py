@@ -43,14 +43,16 @@ def matrix_cmd(tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
     md = tmp_path / "m.md"
-    cmd = matrix_cmd(tmp_path, "--arm", "target=--draft none", "--arm", "spec=--draft random:2", "--baseline", "target",
+    cmd = matrix_cmd(tmp_path, "--arm", "target=--draft none", "--arm", "spec=--draft random:2 --spec-policy always",
+                     "--baseline", "target",
                      "--repeats", "1", "--requests-per-concurrency", "2", "--max-tokens", "8", "--warmup", "1",
                      "--offline", "--markdown", str(md))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     rep = json.loads((tmp_path / "m.json").read_text())
     assert [(x["arm"], x["repeat"]) for x in rep["runs"]] == [("target", 0), ("spec", 0)]
-    assert rep["arms"]["spec"]["flags"] == ["--draft", "random:2"] and rep["arms"]["spec"]["engine"]["draft"] == "random:2"
+    assert rep["arms"]["spec"]["flags"] == ["--draft", "random:2", "--spec-policy", "always"]
+    assert rep["arms"]["spec"]["engine"]["draft"] == "random:2"
     assert rep["settings"]["requests"] == {"1": 2} and rep["machine"]["cores"] and not rep["interrupted"]
     tok = {}
     for x in rep["runs"]:
@@ -65,16 +67,23 @@ def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
         assert ores["completed"] == 2 and ores["output_throughput"] > 0
     rows = {row["arm"]: row for row in rep["summary"]}
     assert set(rows) == {"target", "spec"}
+    spec_only = {"mean_depth", "accept_len"}  # what the speculation ran: nothing for target-only
     for row in rows.values():
         for k in [m for m, _, _ in METRICS] + ["vs_baseline", "offline_out_tok_s", "served_over_offline"]:
+            if k in spec_only and row["arm"] == "target":
+                assert row[k] is None, k
+                continue
             assert row[k] is not None and row[k]["n"] == 1, (row["arm"], k)
         assert row["failed"] == 0
+    # `always` drafts two steps every iteration; a random draft's verifies accept about the bonus token
+    assert rows["spec"]["mean_depth"]["median"] == 2 and 1 <= rows["spec"]["accept_len"]["median"] < 1.5
     assert rows["target"]["vs_baseline"]["median"] == 1.0
     assert rows["spec"]["vs_baseline"]["median"] == pytest.approx(tok["spec"] / tok["target"])
     # The table: one row per (concurrency, arm), every cell filled, the same on stdout and in the file.
     assert md.read_text().strip() in r.stdout
     body = [ln for ln in md.read_text().split("TTFT split")[0].splitlines() if re.match(r"\| 1 \| (target|spec) \|", ln)]
-    assert len(body) == 2 and all("| - |" not in ln for ln in body), body
+    empty = [[c.strip() for c in ln.split("|")].count("-") for ln in body]
+    assert len(body) == 2 and empty == [len(spec_only), 0], body
     assert "| vs target |" in md.read_text() and "| served/offline |" in md.read_text()
     # The server's TTFT split: every phase of both arms in the summary and in its own table.
     for row in rows.values():
@@ -192,6 +201,26 @@ def test_the_ttft_split_summary_names_what_the_slowest_tenth_spent() -> None:
     assert phase_summary(None) is None and phase_summary({"names": names, "seq": 0, "recent": []}) is None
 
 
+def test_the_speculation_summary_is_the_runs_share_of_the_counters() -> None:
+    """`spec_summary` over the counters before and after a run: iterations by depth, their mean, the
+    accept length of the run's verifies alone, and the policy's moves; None without a draft."""
+    from mleagle.daemon.bench_serve import spec_summary
+
+    pol = {"iterations_by_depth": [10, 0, 5], "switches": 1, "explore_iterations": 4, "catch_ups": 0,
+           "catch_up_positions": 0, "catch_up_s": 0.0}
+    before = {"spec_policy": pol, "spec": {"num_verify": 5, "num_accepted_tokens": 9}}
+    after = {"spec_policy": pol | {"iterations_by_depth": [40, 0, 65], "switches": 3, "catch_ups": 2,
+                                   "catch_up_positions": 30, "catch_up_s": 0.004},
+             "spec": {"num_verify": 65, "num_accepted_tokens": 99}}
+    s = spec_summary(before, after)
+    assert s is not None and s["iterations"] == 90 and s["depth_share"] == [pytest.approx(1 / 3, abs=1e-4), 0.0,
+                                                                             pytest.approx(2 / 3, abs=1e-4)]
+    assert s["mean_depth"] == pytest.approx(120 / 90) and s["accept_len"] == pytest.approx(1 + 90 / 60)
+    assert (s["switches"], s["explore_iterations"], s["catch_ups"], s["catch_up_positions"]) == (2, 0, 2, 30)
+    assert s["catch_up_ms"] == pytest.approx(4.0)
+    assert spec_summary({"spec_policy": None}, {"spec_policy": None}) is None and spec_summary(None, after) is None
+
+
 @pytest.mark.slow
 def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
     """`bench serve --client-procs 2` against a real server: both processes run their share of the
@@ -220,6 +249,7 @@ def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
         assert lp["steps"] >= 4 and 0 < lp["step_share"] <= lp["busy_share"] <= 1.05, lp
         assert lp["busy_share"] == pytest.approx(sum(lp[k + "_share"] for k in ("step", "send_outputs", "pump", "messages", "pong")))
         assert "engine loop busy" in r.stdout
+        assert res["server"]["spec"] is None and "speculation" not in r.stdout  # a target-only server
         # Every request matched to its record by response id, across both client processes: the route
         # begins after the client sent; the daemon's last mark follows its write, which the client may
         # read a hair before it.
