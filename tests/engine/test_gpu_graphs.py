@@ -4,8 +4,9 @@ For every runner (target decode or verify, each draft-extend step) and every cap
 batch one short of the bucket (so one row is padding) is replayed and also run eagerly on the same
 inputs: the logits agree to float32 rounding and the argmax is identical. Through the whole engine,
 speculative greedy output with graphs equals target-only greedy output (float32; also with a draft
-reading fused target features through two blocks per step, and with the speculation policy switching
-depth every iteration), a seeded sampled request gives the same tokens alone and in a batch, and every
+reading fused target features through two blocks per step, with a five-step draft whose last steps run
+earlier blocks under `auto` with a depth in between, and with the speculation policy switching depth
+every iteration), a seeded sampled request gives the same tokens alone and in a batch, and every
 pool is free afterwards.
 """
 
@@ -145,6 +146,28 @@ def test_fused_two_block_draft_with_graphs_equals_target_only(tmp_path) -> None:
     lp = [sp.model_copy(update={"logprobs": 1}) for sp in sps]
     assert run(e, PROMPTS, lp) == want
     assert all(sum(r.graphs.stats.replays.values()) > 0 for r in e.runners)
+    assert all_free(e)
+
+
+def test_tied_five_step_draft_with_depths_between_equals_target_only(tmp_path) -> None:
+    """A 5-step draft whose last two steps run the blocks of steps 2 and 3 (stored once, loaded as
+    copies), under `auto` choosing among depths 0, 2 and 5: each depth has its whole-iteration graph and
+    greedy output equals target-only's; pools free afterwards."""
+    from mleagle.engine.spec import train as T
+    from mleagle.engine.spec.checkpoint import save_draft
+
+    cpu = Engine(tiny_cfg(), draft="none")
+    stack = T.init_stack(cpu.model, 5, "random", 11, tied={3: 1, 4: 2})
+    with torch.no_grad():
+        for p in T.trainable(stack):
+            p.add_(torch.randn_like(p) * 0.05)
+    save_draft(stack, tmp_path / "tied", torch.float32)
+    ref = _engine("none", cuda_graph=False)
+    sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17), greedy(40), greedy(5), greedy(12), greedy(8), greedy(3)]
+    want = run(ref, PROMPTS, sps)
+    e = _engine(str(tmp_path / "tied"), spec_policy="auto", spec_depths=[2])
+    assert e.worker.steps == 5 and sorted(e.worker.iter_graphs) == [0, 2, 5], e.graph_report
+    assert run(e, PROMPTS, sps) == want
     assert all_free(e)
 
 
