@@ -98,6 +98,11 @@ def _train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=2048)
     g.add_argument("--kl-weight", type=float, default=1.0, help="weight of KL(target ‖ draft)")
     g.add_argument("--ce-weight", type=float, default=0.0, help="weight of CE on greedily generated tokens")
+    g.add_argument("--tv-weight", type=float, default=0.0,
+                   help="weight of the total variation between target and draft at --tv-temperature (1 - TV is "
+                        "the sampled acceptance there); 0: off")
+    g.add_argument("--tv-temperature", type=float, default=0.7,
+                   help="the temperature of the TV term and of the held-out sampled agreement (default 0.7)")
     g.add_argument("--depth-weights", default=None, help="comma list, one per layer (default 0.8**k)")
     g.add_argument("--prompt-weight", type=float, default=0.0, help="KL weight at prompt positions")
     g.add_argument("--init", choices=["random", "last"], default="random",
@@ -196,6 +201,8 @@ def check_inputs(a: argparse.Namespace) -> None:
         for p in filter(None, (getattr(a, opt, None) or "").split(",")):
             if not Path(p).exists():
                 raise FileNotFoundError(f"--{opt.replace('_', '-')} {p}: no such data folder or file")
+    if getattr(a, "tv_weight", 0.0) < 0 or getattr(a, "tv_temperature", 0.7) <= 0:
+        raise ValueError(f"--tv-weight must be >= 0 and --tv-temperature > 0 (got {a.tv_weight}, {a.tv_temperature})")
     if getattr(a, "blocks", 1) < 1:
         raise ValueError(f"--blocks must be >= 1, not {a.blocks}")
     if hasattr(a, "aux_layers"):
@@ -350,7 +357,8 @@ def train_config(a: argparse.Namespace) -> Any:
     return TrainConfig(layers=a.layers, blocks=a.blocks, aux_layers=aux_layers(a), tied=tied_blocks(a),
                        epochs=a.epochs, steps=a.steps,
                        lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, batch_tokens=a.batch_tokens, max_len=a.max_len,
-                       kl_weight=a.kl_weight, ce_weight=a.ce_weight, depth_weights=dw, prompt_weight=a.prompt_weight,
+                       kl_weight=a.kl_weight, ce_weight=a.ce_weight, tv_weight=a.tv_weight,
+                       tv_temperature=a.tv_temperature, depth_weights=dw, prompt_weight=a.prompt_weight,
                        init=a.init, amp=not a.no_amp, chunk_rows=a.chunk_rows, seed=a.seed,
                        log_every_s=a.log_every_s, ckpt_every_s=a.ckpt_every_s)
 
@@ -637,6 +645,11 @@ def table(summary: dict[str, Any]) -> str:
             lines.append("| top-1 agreement before | " + " | ".join(f"{x:.3f}" for x in b["acc"]) + " |")
         lines.append("| top-1 agreement after | " + " | ".join(f"{x:.3f}" for x in aft["acc"]) + " |")
         lines.append("| KL after | " + " | ".join(f"{x:.3f}" for x in aft["kl"]) + " |")
+        if "smin" in aft:  # Σ min(p, q) at the TV temperature: the sampled acceptance, teacher-forced
+            tau = tr.get("config", {}).get("tv_temperature", 0.7)
+            if b.get("smin"):
+                lines.append(f"| sampled agreement at T {tau:g} before | " + " | ".join(f"{x:.3f}" for x in b["smin"]) + " |")
+            lines.append(f"| sampled agreement at T {tau:g} after | " + " | ".join(f"{x:.3f}" for x in aft["smin"]) + " |")
     if ev and ev["runs"]:
         s = max(len(r.get("accept_rate_per_depth") or []) for r in ev["runs"])
         lines += ["", "| dataset | T | prompts | accept_len | " + " | ".join(f"depth {k + 1}" for k in range(s))

@@ -75,6 +75,10 @@ class TrainConfig:
     max_len: int = 2048  # sequences are cut to this many tokens
     kl_weight: float = 1.0  # loss = kl_weight·KL(target ‖ draft) + ce_weight·CE(greedy data token)
     ce_weight: float = 0.0  # hard labels generalise worse (results/DRAFT_TRAINING.md)
+    # Total variation between target and draft at `tv_temperature`: 1 - TV is the sampled acceptance there,
+    # so this term aims at temperature-sampled serving (0: off). Its complement is reported per depth anyway.
+    tv_weight: float = 0.0
+    tv_temperature: float = 0.7
     depth_weights: list[float] = field(default_factory=list)  # per layer; default 0.8**k
     prompt_weight: float = 0.0  # weight of KL at prompt positions (the target's distribution exists there too)
     init: str = "random"  # "random" (as EAGLE); "last": blocks start as the target's last layer
@@ -202,18 +206,25 @@ def head_weight(model: LlamaForCausalLM, stack: DraftStack) -> torch.Tensor:
 
 # --- the loss --------------------------------------------------------------------------------------------
 class _Distill(torch.autograd.Function):
-    """Σ_rows row_w·(kl_w·KL(p_t ‖ q) + ce_w·CE(q, label)) over chunks of rows, logits recomputed in backward.
+    """Σ_rows row_w·(kl_w·KL(p_t ‖ q) + ce_w·CE(q, label) + tv_w·TV(p_t^τ, q^τ)) over chunks of rows, logits
+    recomputed in backward. TV(a, b) = ½Σ|a - b| between both distributions at temperature τ: 1 - TV is
+    the chance that a draft sampled from q^τ is accepted against p_t^τ (rejection sampling), so the TV
+    term aims at sampled acceptance directly.
 
-    d/dlogits of the row's term = row_w·(kl_w·(q - p_t) + ce_w·[label ≥ 0]·(q - onehot(label))).
+    d/dlogits of the row's term = row_w·(kl_w·(q - p_t) + ce_w·[label ≥ 0]·(q - onehot(label))
+    + tv_w/τ·q^τ⊙(s - Σ q^τ s)), s = ½·sign(q^τ - p_t^τ).
     Also returns (unweighted) statistics: Σ KL, Σ CE, #CE rows, #rows whose argmax equals the target's
-    (`top`: the target's argmax over its whole vocabulary, as a draft index or -1; None: over `w`'s rows)."""
+    (`top`: the target's argmax over its whole vocabulary, as a draft index or -1; None: over `w`'s rows),
+    and Σ min(p_t^τ, q^τ) (the target renormalised to the draft's vocabulary: with a reduced one, an
+    upper bound on the sampled acceptance)."""
 
     @staticmethod
     def forward(ctx: Any, hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: torch.Tensor, row_w: torch.Tensor,
-                kl_w: float, ce_w: float, chunk: int, top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                kl_w: float, ce_w: float, chunk: int, top: torch.Tensor | None, tv_w: float,
+                tau: float) -> tuple[torch.Tensor, torch.Tensor]:
         f = torch.promote_types(w.dtype, torch.float32)  # softmax in float32 (float64 stays, for tests)
         loss = torch.zeros((), dtype=f, device=hd.device)
-        stats = torch.zeros(4, dtype=f, device=hd.device)
+        stats = torch.zeros(5, dtype=f, device=hd.device)
         for s in range(0, hd.shape[0], chunk):
             e = s + chunk
             ld = F.linear(hd[s:e].to(w.dtype), w).to(f)
@@ -223,11 +234,12 @@ class _Distill(torch.autograd.Function):
             lab = label[s:e]
             has = lab >= 0
             ce = -lq.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1) * has
-            loss += (row_w[s:e] * (kl_w * kl + ce_w * ce)).sum()
+            smin = torch.minimum((ld / tau).softmax(-1), (lt / tau).softmax(-1)).sum(-1)
+            loss += (row_w[s:e] * (kl_w * kl + ce_w * ce + tv_w * (1 - smin))).sum()
             want = lt.argmax(-1) if top is None else top[s:e]
-            stats += torch.stack([kl.sum(), ce.sum(), has.sum().to(f), (ld.argmax(-1) == want).sum().to(f)])
+            stats += torch.stack([kl.sum(), ce.sum(), has.sum().to(f), (ld.argmax(-1) == want).sum().to(f), smin.sum()])
         ctx.save_for_backward(hd, ht, w, label, row_w)
-        ctx.kl_w, ctx.ce_w, ctx.chunk = kl_w, ce_w, chunk
+        ctx.kl_w, ctx.ce_w, ctx.chunk, ctx.tv_w, ctx.tau = kl_w, ce_w, chunk, tv_w, tau
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
@@ -238,26 +250,32 @@ class _Distill(torch.autograd.Function):
         f = torch.promote_types(w.dtype, torch.float32)
         for s in range(0, hd.shape[0], ctx.chunk):
             e = s + ctx.chunk
-            q = F.linear(hd[s:e].to(w.dtype), w).to(f).softmax(-1)
-            p = F.linear(ht[s:e].to(w.dtype), w).to(f).softmax(-1)
+            ld = F.linear(hd[s:e].to(w.dtype), w).to(f)
+            lt = F.linear(ht[s:e].to(w.dtype), w).to(f)
+            q, p = ld.softmax(-1), lt.softmax(-1)
             lab = label[s:e]
             has = (lab >= 0).to(f).unsqueeze(1)
             gl = ctx.kl_w * (q - p) + ctx.ce_w * has * q
             gl.scatter_add_(1, lab.clamp(min=0).unsqueeze(1), -ctx.ce_w * has)
+            if ctx.tv_w:
+                qt = (ld / ctx.tau).softmax(-1)
+                sg = 0.5 * torch.sign(qt - (lt / ctx.tau).softmax(-1))
+                gl += ctx.tv_w / ctx.tau * qt * (sg - (qt * sg).sum(-1, keepdim=True))
             gl *= (row_w[s:e].to(f) * g).unsqueeze(1)
             gh[s:e] = F.linear(gl.to(w.dtype), w.t()).to(hd.dtype)
-        return gh, None, None, None, None, None, None, None, None
+        return gh, None, None, None, None, None, None, None, None, None, None
 
 
 def distill_loss(hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: torch.Tensor, row_w: torch.Tensor,
-                 kl_w: float, ce_w: float, chunk: int = 4096,
-                 top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 kl_w: float, ce_w: float, chunk: int = 4096, top: torch.Tensor | None = None, *,
+                 tv_w: float = 0.0, tau: float = 0.7) -> tuple[torch.Tensor, torch.Tensor]:
     """hd: draft rows after the draft's final norm [N, H]; ht: target rows after the target's final norm
     [N, H]; w: the draft head [Vd, H]; label: draft-vocabulary index of the data token or -1 (no CE);
     row_w: [N] weights; top: the target's full-vocabulary argmax as a draft index or -1 (with a reduced
-    vocabulary, so that agreement counts a target token outside it as a miss). Returns (weighted loss,
-    stats [Σ KL, Σ CE, #CE rows, #argmax agreements])."""
-    return _Distill.apply(hd, ht.detach(), w.detach(), label, row_w.detach(), kl_w, ce_w, chunk, top)
+    vocabulary, so that agreement counts a target token outside it as a miss); tv_w, tau: the weight of
+    the total-variation term between both distributions at temperature tau. Returns (weighted loss,
+    stats [Σ KL, Σ CE, #CE rows, #argmax agreements, Σ min(p^tau, q^tau)])."""
+    return _Distill.apply(hd, ht.detach(), w.detach(), label, row_w.detach(), kl_w, ce_w, chunk, top, tv_w, tau)
 
 
 # --- the draft ---------------------------------------------------------------------------------------------
@@ -373,7 +391,7 @@ class Trainer:
         return rows, trow, lab, w.flatten()[rows]
 
     def batch_loss(self, b: Batch, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Total weighted loss and per-layer stats [S, 5] (Σ KL, Σ CE, #CE rows, #agree, #rows)."""
+        """Total weighted loss and per-layer stats [S, 6] (Σ KL, Σ CE, #CE rows, #agree, Σ min(p^τ, q^τ), #rows)."""
         cfg, m = self.cfg, self.model
         cos, sin = self.cos, self.sin
         w = head_weight(m, self.stack)
@@ -398,7 +416,7 @@ class Trainer:
                     hd = rms(h.flatten(0, 1)[rows], layer.norm.weight, layer.norm.eps)
                     top = None if top_all is None else self.t2d[top_all[trow]]
                     loss, st = distill_loss(hd, ht_n[trow], w, lab, rw / n, cfg.kl_weight, cfg.ce_weight, cfg.chunk_rows,
-                                            top)
+                                            top, tv_w=cfg.tv_weight, tau=cfg.tv_temperature)
                     total = total + self.depth_w[k] * loss
                     stats.append(torch.cat([st, torch.tensor([float(rows.numel())], device=st.device)]))
         return total / sum(self.depth_w), torch.stack(stats)
@@ -463,7 +481,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + st.step)
         self.stack.train()
         bar = _Progress(self.total_steps, st.step)
-        acc = torch.zeros(s, 5, device=self.device)
+        acc = torch.zeros(s, 6, device=self.device)
         loss_acc = torch.zeros((), device=self.device)
         n_acc = 0
         t_start = time.perf_counter() - st.elapsed_s
@@ -522,9 +540,7 @@ class Trainer:
         a = acc.cpu().double().numpy()
         st = self.state
         rec = {"step": st.step, "epoch": round(epoch, 3), "lr": lr, "loss": round(float(loss) / max(n, 1), 4),
-               "kl": [round(x, 4) for x in (a[:, 0] / np.maximum(a[:, 4], 1)).tolist()],
-               "ce": [round(x, 4) for x in (a[:, 1] / np.maximum(a[:, 2], 1)).tolist()],
-               "acc": [round(x, 4) for x in (a[:, 3] / np.maximum(a[:, 4], 1)).tolist()],
+               **per_depth(a),
                "elapsed_s": round(st.elapsed_s, 1), "tok_s": round(st.tokens / max(st.elapsed_s, 1e-9), 1)}
         st.history.append(rec)
         if self.log_file is not None:
@@ -537,17 +553,24 @@ class Trainer:
         """Teacher-forced KL, CE and top-1 agreement with the target per depth on `seqs`."""
         was = self.stack.training
         self.stack.eval()
-        tot = torch.zeros(len(self.stack), 5, device=self.device)
+        tot = torch.zeros(len(self.stack), 6, device=self.device)
         lens = [min(len(s), self.cfg.max_len) for s in seqs]
         for g in length_batches(lens, self.cfg.batch_tokens, 0):
             _, st = self.batch_loss(collate([seqs[i] for i in g], self.cfg.max_len, self.device), grad=False)
             tot += st
         self.stack.train(was)
         a = tot.cpu().double().numpy()
-        return {"kl": [round(x, 4) for x in (a[:, 0] / np.maximum(a[:, 4], 1)).tolist()],
-                "ce": [round(x, 4) for x in (a[:, 1] / np.maximum(a[:, 2], 1)).tolist()],
-                "acc": [round(x, 4) for x in (a[:, 3] / np.maximum(a[:, 4], 1)).tolist()],
-                "rows": [int(x) for x in a[:, 4].tolist()]}
+        return {**per_depth(a), "rows": [int(x) for x in a[:, 5].tolist()]}
+
+
+def per_depth(a: np.ndarray) -> dict[str, list[float]]:
+    """Per-depth means of `batch_loss`'s summed stats [S, 6]: KL, CE (over its rows), top-1 agreement,
+    and `smin`, Σ min(p^τ, q^τ): the chance a draft sampled at the TV temperature is accepted."""
+    rows = np.maximum(a[:, 5], 1)
+    return {"kl": [round(x, 4) for x in (a[:, 0] / rows).tolist()],
+            "ce": [round(x, 4) for x in (a[:, 1] / np.maximum(a[:, 2], 1)).tolist()],
+            "acc": [round(x, 4) for x in (a[:, 3] / rows).tolist()],
+            "smin": [round(x, 4) for x in (a[:, 4] / rows).tolist()]}
 
 
 class _Progress:

@@ -186,6 +186,20 @@ def test_distill_loss_gradient_matches_autograd() -> None:
     top[:5] = (hd @ w.T).argmax(-1)[:5]
     _, st = T.distill_loss(hd.detach(), ht, w, lab, rw, 0.3, 0.7, chunk=8, top=top)
     assert int(st[3]) == int(((hd @ w.T).argmax(-1) == top).sum()) >= 5
+    # The total-variation term at temperature 0.7 (1 - TV: the sampled acceptance), with the others
+    hd.grad = None
+    loss, st = T.distill_loss(hd, ht, w, lab, rw, 0.3, 0.7, chunk=8, tv_w=0.5, tau=0.7)
+    loss.backward()
+    got = hd.grad.clone()
+    hd.grad = None
+    lq, lp = (hd @ w.T).log_softmax(-1), (ht @ w.T).log_softmax(-1)
+    smin = torch.minimum(((hd @ w.T) / 0.7).softmax(-1), ((ht @ w.T) / 0.7).softmax(-1)).sum(-1)
+    ref = (rw * (0.3 * (lp.exp() * (lp - lq)).sum(-1) + 0.7 * -lq.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1)
+                 * (lab >= 0) + 0.5 * (1 - smin))).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(got, hd.grad)
+    torch.testing.assert_close(st[4], smin.sum().detach())
 
 
 def _jobs(n: int, seed: int = 0) -> list[D.Job]:
