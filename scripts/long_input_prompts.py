@@ -590,7 +590,7 @@ class Fitter:
             if n <= self.max:
                 return b, n
             q = p.cut(int(p.words * min(0.97, self.max / n)))
-            if q.words >= p.words:
+            if q.words >= p.words or not q.words:  # no shorter cut, or none at all (a first sentence too long)
                 return None
             p = q
 
@@ -626,9 +626,28 @@ def translation_bounds(lo: int, hi: int) -> tuple[int, int]:
     return tlo, max(tlo + 30, hi // 2)
 
 
+def parse_kinds(spec: str) -> dict[str, float]:
+    """--kinds: `translate=0.6,grounded=0.4` (shares of KINDS' names; normalised; unnamed kinds get none)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, share = part.partition("=")
+        try:
+            v = float(share)
+        except ValueError:
+            raise ValueError(f"--kinds {spec!r}: expected name=share pairs, e.g. translate=0.6,grounded=0.4") from None
+        if name not in KINDS or v < 0:
+            raise ValueError(f"--kinds {spec!r}: {name!r} is not one of {', '.join(KINDS)} with a share >= 0")
+        out[name] = v
+    total = sum(out.values())
+    if total <= 0:
+        raise ValueError(f"--kinds {spec!r}: the shares add up to nothing")
+    return {k: v / total for k, v in out.items()}
+
+
 def make(n: int, seed: int, banned: dict[str, set[str]], docs: Sequence[Doc], fitter: Fitter, *,
-         min_words: int = 150, max_words: int = 400, reuse: int = 4) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Up to n distinct prompts, shares by KINDS, from the training share of `docs`, in up to `reuse`
+         min_words: int = 150, max_words: int = 400, reuse: int = 4,
+         kinds: dict[str, float] | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Up to n distinct prompts, shares by `kinds` (default KINDS), from the training share of `docs`, in up to `reuse`
     rounds that each cut the documents into passages afresh and give each passage at most one prompt
     per kind. Returns the rows and counts: dropped per
     banned set (name -> 8-grams) and too long (no cut of at least the minimum fits the token limit)."""
@@ -637,12 +656,13 @@ def make(n: int, seed: int, banned: dict[str, set[str]], docs: Sequence[Doc], fi
     stats = {f"dropped_{k}": 0 for k in banned} | {"too_long": 0}
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    want = quotas(n, KINDS)
-    got = dict.fromkeys(KINDS, 0)
+    shares = kinds or KINDS
+    want = quotas(n, shares)
+    got = dict.fromkeys(shares, 0)
     for rnd in range(reuse):  # each round cuts the documents afresh (other passage ends and lengths)
         en = pool("train", seed * 7919 + rnd, min_words, max_words, docs).get("en", [])
         tr = pool("train", seed * 7919 + rnd, tlo, thi, docs)
-        for kind in KINDS:
+        for kind in shares:
             if kind == "translate":  # a quarter (at most) into English, from the other languages' catalogues
                 foreign = [p for lang in sorted(tr) if lang != "en" for p in tr[lang]]
                 cands = rng.sample(foreign, min(len(foreign), want[kind] // 4))
@@ -704,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", required=True, help="scripts/task_suite.py's output folder: its prompts are held out")
     ap.add_argument("--n", type=int, default=6000, help="number of prompts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=None,
+                    help="shares of the prompt kinds, e.g. translate=0.6,grounded=0.4 (default "
+                         + ",".join(f"{k}={v}" for k, v in KINDS.items()) + ")")
     ap.add_argument("--min-input-words", type=int, default=150, help="shortest given text (translation: half)")
     ap.add_argument("--max-input-words", type=int, default=400,
                     help="longest given text (translation: half); --max-prompt-tokens usually binds first")
@@ -716,6 +739,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from mleagle.engine.contract.config import data_dir
 
+    try:
+        shares = parse_kinds(a.kinds) if a.kinds else None
+    except ValueError as e:
+        log(f"error: {e}")
+        return 2
     ddir = Path(a.data_dir) if a.data_dir else data_dir()
     banned = eval_ngrams(ddir)
     suite = sorted(Path(a.suite).glob("*.jsonl"))
@@ -726,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     banned["suite"] = prompt_ngrams(suite)
     docs = documents(locale_dir=a.locale_dir)
     rows, stats = make(a.n, a.seed, banned, docs, Fitter(tokenizer(a.model), a.max_prompt_tokens),
-                       min_words=a.min_input_words, max_words=a.max_input_words)
+                       min_words=a.min_input_words, max_words=a.max_input_words, kinds=shares)
     Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     kinds = {k: sum(r["kind"] == k for r in rows) for k in KINDS}
     cats = sorted({r["category"] for r in rows})

@@ -439,6 +439,14 @@ def test_long_input_prompts_fit_are_distinct_deterministic_and_decontaminated(lo
     assert rows == L.make(60, 0, {}, docs, fit, min_words=lo, max_words=hi)[0]
     assert [r["prompt"] for r in L.make(60, 1, {}, docs, fit, min_words=lo, max_words=hi)[0]] != [r["prompt"] for r in rows]
     assert {k: sum(r["kind"] == k for r in rows) for k in L.KINDS} == L.quotas(60, L.KINDS)
+    # Other shares (`--kinds`): a round aimed at translation and passages, nothing else
+    shares = L.parse_kinds("translate=3,grounded=1")
+    aimed, _ = L.make(20, 2, {}, docs, fit, min_words=lo, max_words=hi, kinds=shares)
+    assert {r["kind"] for r in aimed} == {"translate", "grounded"} and len(aimed) == 20
+    assert sum(r["kind"] == "translate" for r in aimed) == 15
+    for bad in ("translate", "poems=1", "translate=-1", "translate=0"):
+        with pytest.raises(ValueError, match="--kinds"):
+            L.parse_kinds(bad)
     cats = {r["category"] for r in rows}
     assert "fr-en" in cats and cats & {"en-fr", "en-de", "en-es"} and "retrieval" in cats
     tlo, thi = L.translation_bounds(lo, hi)
