@@ -162,6 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await one(s, args, model, p)
 
+        tw0 = time.perf_counter()  # the engine's counters read through these two fetches cover this window
         d0 = await _debug(s, args.url)
         dm0 = d0.get("daemon", {})
         cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
@@ -187,6 +188,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         summ["client_cpu_share"] = max(shares)
         server: dict[str, Any] = {}
         d = await _debug(s, args.url, seq0 if seq0 is not None else 1 << 62)
+        window = time.perf_counter() - tw0
         if d:
             dm = d.get("daemon", {})
             out_tok = summ["output_tokens"]
@@ -200,7 +202,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "ttft_phases": phase_summary(dm.get("ttft_phases")),
                       "ttft_outside": outside_split(results, dm.get("ttft_phases")),
                       "daemon_gc": gc_summary(dm0.get("gc"), dm.get("gc")),
-                      "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"), dur),
+                      "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"),
+                                                  window),
                       "spec": spec_summary(d0.get("stats"), d.get("stats"))}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -240,19 +243,21 @@ def gc_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> d
 
 def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, dur: float) -> dict[str, Any] | None:
     """Where the engine process's main thread spent the run (its loop's counters, read through a fresh
-    ping before and after): steps taken, and per kind of work its share of the run's wall time. `step`
-    is `engine.step()` (scheduling, the forwards, the host work around them; the telemetry hooks are
-    inside it, `telemetry` says how much), `send_outputs` encoding and sending each step's outputs,
-    `pump` the state events, `messages` the daemon's requests. What is left of 1.0 is the loop idle or
-    polling: where the served figure falls short of the offline one with the loop near 1.0, the engine
-    process is the limit."""
+    ping before and after): steps taken, and per kind of work its share of `dur`, the wall time between
+    the two reads (a little longer than the run; the run's own time would overstate the shares of a
+    short run, whose client processes start inside the window). `step` is `engine.step()` (scheduling,
+    the forwards, the host work around them; the telemetry hooks are inside it, `telemetry` says how
+    much), `send_outputs` encoding and sending each step's outputs, `pump` the state events, `messages`
+    the daemon's requests (answering its pings included: `pong` is that part). What is left of 1.0 is
+    the loop idle or polling: where the served figure falls short of the offline one with the loop near
+    1.0, the engine process is the limit."""
     if not before or not after or dur <= 0:
         return None
     out: dict[str, Any] = {"steps": after.get("steps", 0) - before.get("steps", 0)}
     for k, v in after.items():
         if k.endswith("_s") and isinstance(v, (int, float)):
             out[k[:-2] + "_share"] = (v - before.get(k, 0.0)) / dur
-    out["busy_share"] = sum(out.get(k + "_share", 0.0) for k in ("step", "send_outputs", "pump", "messages", "pong"))
+    out["busy_share"] = sum(out.get(k + "_share", 0.0) for k in ("step", "send_outputs", "pump", "messages"))
     return out
 
 
