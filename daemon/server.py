@@ -409,9 +409,12 @@ class SSE:
         except asyncio.TimeoutError:
             raise ClientTooSlow from None
 
-    async def close(self) -> web.StreamResponse:
+    async def close(self, err: Any = None) -> web.StreamResponse:
+        """`[DONE]` and the end of the response; with `err`, its error event first, in the same write:
+        a client that reads slowly (a shutdown's drain deadline, 2 s of grace) then gets both or
+        neither, never the error without the `[DONE]` after it."""
         try:
-            await self.send("[DONE]")
+            await self.send((self.frame(err) if err is not None else b"") + self.frame("[DONE]"))
             assert self.resp is not None
             await asyncio.wait_for(self.resp.write_eof(), self.timeout)
         except (ClientTooSlow, asyncio.TimeoutError):
@@ -493,8 +496,7 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
             log.warning("stream %s ended with an error: %s", gen.id, e.message)
             if e.code == "client_too_slow":
                 return await sse.cut(e)
-            await sse.send(e.body())
-            return await sse.close()
+            return await sse.close(e.body())
         for ch in fmt.tail():
             await sse.send(ch)
         return await sse.close()
