@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,15 +163,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await one(s, args, model, p)
 
-        tw0 = time.perf_counter()  # the engine's counters read through these two fetches cover this window
-        d0 = await _debug(s, args.url)
-        dm0 = d0.get("daemon", {})
-        cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
+        # The server's counters are read just before the load starts (client processes already up) and
+        # just after it ends: the engine loop's shares are over that window.
+        before: dict[str, Any] = {}
+
+        async def read_before() -> None:
+            before["t"] = time.perf_counter()
+            before["d"] = await _debug(s, args.url)
+
+        loop = asyncio.get_running_loop()
         load0 = os.getloadavg()
         procs = 1 if args.rate is not None else min(args.client_procs, args.concurrency or 1, len(prompts) or 1)
         if procs > 1:
-            results, dur, shares = await asyncio.to_thread(_run_procs, args, model, prompts, procs)
+            def ready() -> None:
+                asyncio.run_coroutine_threadsafe(read_before(), loop).result(timeout=60)
+
+            results, dur, shares = await asyncio.to_thread(_run_procs, args, model, prompts, procs, ready)
         else:
+            await read_before()
             cpu_client0 = time.process_time()
             t0 = time.perf_counter()
             tasks = []
@@ -181,6 +191,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results = list(await asyncio.gather(*tasks))
             dur = time.perf_counter() - t0
             shares = [(time.process_time() - cpu_client0) / dur if dur > 0 else 0.0]
+        tw0, d0 = before["t"], before["d"]
+        dm0 = d0.get("daemon", {})
+        cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
         summ = summarize(results, dur, args.concurrency or 0)
         # Each client process is one asyncio loop parsing every SSE chunk: near a whole core, its own
         # queueing is in the TTFT and ITL it reports (the server's TTFT split is not). The busiest one.
@@ -243,9 +256,9 @@ def gc_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> d
 
 def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, dur: float) -> dict[str, Any] | None:
     """Where the engine process's main thread spent the run (its loop's counters, read through a fresh
-    ping before and after): steps taken, and per kind of work its share of `dur`, the wall time between
-    the two reads (a little longer than the run; the run's own time would overstate the shares of a
-    short run, whose client processes start inside the window). `step` is `engine.step()` (scheduling,
+    ping just before the load starts and just after it ends): steps taken, and per kind of work its
+    share of `dur`, the wall time between the two reads (the run and the reads: dividing by the run's
+    own time let a very short run read over 1). `step` is `engine.step()` (scheduling,
     the forwards, the host work around them; the telemetry hooks are inside it, `telemetry` says how
     much), `send_outputs` encoding and sending each step's outputs, `pump` the state events, `messages`
     the daemon's requests (answering its pings included: `pong` is that part). What is left of 1.0 is
@@ -339,7 +352,8 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
                 async with sem:
                     return await one(s, args, model, p)
 
-            await asyncio.to_thread(barrier.wait)
+            await asyncio.to_thread(barrier.wait)  # every process ready: the parent reads the server's counters
+            await asyncio.to_thread(barrier.wait)  # released together
             cpu0 = time.process_time()
             res = list(await asyncio.gather(*(task(p) for p in prompts)))
             return res, time.monotonic(), time.process_time() - cpu0
@@ -351,8 +365,10 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
         raise
 
 
-def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: int) -> tuple[list[Result], float, list[float]]:
-    """The closed loop split over `procs` client processes (started, then released together): request
+def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: int,
+               ready: Callable[[], None] | None = None) -> tuple[list[Result], float, list[float]]:
+    """The closed loop split over `procs` client processes (started, then released together; `ready`
+    runs once all are up, just before the release): request
     j goes to process j mod procs, the concurrency is shared out as evenly as it divides. Returns the
     results with every process's first wave first (so `summarize`'s first wave is theirs together),
     the wall time from the release to the last finish, and each process's CPU share of a core."""
@@ -367,6 +383,9 @@ def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: 
     for k in kids:
         k.start()
     try:
+        barrier.wait(timeout=120)
+        if ready is not None:
+            ready()
         barrier.wait(timeout=120)
         t0 = time.monotonic()
         got = [out.get(timeout=args.timeout + 60) for _ in kids]
