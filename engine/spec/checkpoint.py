@@ -9,9 +9,8 @@ holding `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`, `layers.{k}.block.<HF de
 `layers.0.aux_proj.weight` and `layers.0.anorm.{i}.weight`, and, for a reduced draft vocabulary,
 `vocab_ids` (the target ids the draft head covers, see `DraftHead`). `tied_blocks` ({"k": j}) says layer
 k runs layer j's decoder blocks: its `block*` weights are not stored, and loading copies layer j's in.
-Version 1 folders (one
-`draft.safetensors`, no `files`) and version 2 (no `blocks_per_layer`, `aux_layers`: one block, no
-fused features) load unchanged. Weights are stored in the dtype asked for (bfloat16
+Version 1 folders (one `draft.safetensors`, no `files`) and version 2 (no `blocks_per_layer`,
+`aux_layers`: one block, no fused features) load unchanged. Weights are stored in the dtype asked for (bfloat16
 for shipped drafts) and cast to the engine's at load. Import maps the common MTP namings: MiMo-style
 `model.mtp.layers.{i}.*` and DeepSeek-style `model.layers.{N+i}.*` (with `shared_head.norm`).
 `random:S[:seed]` builds an S-layer chain draft with random weights for any target (tests, benchmarks).
