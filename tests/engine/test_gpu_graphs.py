@@ -124,22 +124,28 @@ def test_every_depth_replays_its_iteration_graph_and_stays_exact(draft: str) -> 
     assert run(auto, PROMPTS, sps) == want and all_free(auto)
 
 
-def test_fused_two_block_draft_with_graphs_equals_target_only(tmp_path) -> None:
-    """A draft whose layer 0 reads fused target features (the target's output widens to [T, 2H]) and whose
-    steps run two blocks each: whole-iteration and per-forward graphs keep greedy output exact."""
+def _saved_draft(path, layers: int, seed: int, **init) -> str:
+    """A random draft for the tiny target, its weights moved off their init (non-trivial norms and
+    mixing), saved in float32 to `path`; `init` as `train.init_stack` takes it."""
     from mleagle.engine.spec import train as T
     from mleagle.engine.spec.checkpoint import save_draft
 
-    cpu = Engine(tiny_cfg(), draft="none")
-    stack = T.init_stack(cpu.model, 3, "random", 9, blocks=2, aux_layers=(0,))
+    stack = T.init_stack(Engine(tiny_cfg(), draft="none").model, layers, "random", seed, **init)
     with torch.no_grad():
         for p in T.trainable(stack):
             p.add_(torch.randn_like(p) * 0.05)
-    save_draft(stack, tmp_path / "fused", torch.float32)
+    save_draft(stack, path, torch.float32)
+    return str(path)
+
+
+def test_fused_two_block_draft_with_graphs_equals_target_only(tmp_path) -> None:
+    """A draft whose layer 0 reads fused target features (the target's output widens to [T, 2H]) and whose
+    steps run two blocks each: whole-iteration and per-forward graphs keep greedy output exact."""
+    draft = _saved_draft(tmp_path / "fused", 3, 9, blocks=2, aux_layers=(0,))
     ref = _engine("none", cuda_graph=False)
     sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17), greedy(40), greedy(5), greedy(12), greedy(8), greedy(3)]
     want = run(ref, PROMPTS, sps)
-    e = _engine(str(tmp_path / "fused"))
+    e = _engine(draft)
     assert e.model.aux_layers == (0,) and e.worker.iter_graph is not None, e.graph_report
     assert run(e, PROMPTS, sps) == want
     assert sum(e.worker.iter_graph.stats.replays.values()) > 0
@@ -153,19 +159,11 @@ def test_tied_five_step_draft_with_depths_between_equals_target_only(tmp_path) -
     """A 5-step draft whose last two steps run the blocks of steps 2 and 3 (stored once, loaded as
     copies), under `auto` choosing among depths 0, 2 and 5: each depth has its whole-iteration graph and
     greedy output equals target-only's; pools free afterwards."""
-    from mleagle.engine.spec import train as T
-    from mleagle.engine.spec.checkpoint import save_draft
-
-    cpu = Engine(tiny_cfg(), draft="none")
-    stack = T.init_stack(cpu.model, 5, "random", 11, tied={3: 1, 4: 2})
-    with torch.no_grad():
-        for p in T.trainable(stack):
-            p.add_(torch.randn_like(p) * 0.05)
-    save_draft(stack, tmp_path / "tied", torch.float32)
+    draft = _saved_draft(tmp_path / "tied", 5, 11, tied={3: 1, 4: 2})
     ref = _engine("none", cuda_graph=False)
     sps = [greedy(24), greedy(9), greedy(30), greedy(1), greedy(17), greedy(40), greedy(5), greedy(12), greedy(8), greedy(3)]
     want = run(ref, PROMPTS, sps)
-    e = _engine(str(tmp_path / "tied"), spec_policy="auto", spec_depths=[2])
+    e = _engine(draft, spec_policy="auto", spec_depths=[2])
     assert e.worker.steps == 5 and sorted(e.worker.iter_graphs) == [0, 2, 5], e.graph_report
     assert run(e, PROMPTS, sps) == want
     assert all_free(e)
