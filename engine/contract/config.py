@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -125,8 +125,9 @@ class EngineConfig(BaseModel):
     # drafts (the draft is loaded but idle); "cycle" runs 0..S in turn (for testing exactness).
     spec_policy: Literal["auto", "always", "off", "cycle"] = "auto"
     # The depths `auto` chooses between: 0 and S by default; depths in between may be added (e.g. [0, 3, 5]
-    # for a 5-step draft whose deep steps pay at small batches only). Each in 0..S; 0 and S are always in.
-    spec_depths: list[int] | None = None
+    # for a 5-step draft whose deep steps pay at small batches only). Each in 0..S (S is checked when the
+    # draft loads); 0 and S are always in. Only `auto` chooses, so other policies refuse it.
+    spec_depths: list[Annotated[int, Field(ge=0)]] | None = None
     # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
     enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)
@@ -177,6 +178,9 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_tp(self) -> EngineConfig:
+        if self.spec_depths is not None and self.spec_policy != "auto":
+            raise ValueError(f"spec_depths are the depths the auto policy chooses between; spec_policy is "
+                             f"{self.spec_policy!r}")
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size={self.tp_size} is not divisible by nnodes={self.nnodes} "
                              "(every node runs the same number of ranks)")

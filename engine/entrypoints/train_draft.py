@@ -382,10 +382,11 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
         start = load_draft(a.init_draft, model.arch)
         if len(start.layers) > a.layers:
             raise ValueError(f"--init-draft {a.init_draft} has {len(start.layers)} layers, --layers is {a.layers}")
-        if any(start.tied.get(k, j) != j for k, j in tied_blocks(a).items()) or \
-                any(k not in tied_blocks(a) for k in start.tied):
-            raise ValueError(f"--init-draft {a.init_draft} ties blocks {start.tied}, --tie-blocks gives "
-                             f"{tied_blocks(a)}: a run may tie the blocks of new layers only")
+        ties = tied_blocks(a)
+        if any(ties.get(k) != j for k, j in start.tied.items()) or \
+                any(k < len(start.layers) and k not in start.tied for k in ties):
+            raise ValueError(f"--init-draft {a.init_draft} ties blocks {start.tied}, --tie-blocks gives {ties}: "
+                             "keep its ties (a run may add ties for new layers)")
         if start.blocks > a.blocks or (start.aux_layers and list(start.aux_layers) != aux_layers(a)):
             raise ValueError(f"--init-draft {a.init_draft} has {start.blocks} block(s) per step and aux layers "
                              f"{list(start.aux_layers)}; a run may add blocks and fused features, not drop them "

@@ -216,12 +216,13 @@ class _Distill(torch.autograd.Function):
     Also returns (unweighted) statistics: Σ KL, Σ CE, #CE rows, #rows whose argmax equals the target's
     (`top`: the target's argmax over its whole vocabulary, as a draft index or -1; None: over `w`'s rows),
     and Σ min(p_t^τ, q^τ) (the target renormalised to the draft's vocabulary: with a reduced one, an
-    upper bound on the sampled acceptance)."""
+    upper bound on the sampled acceptance) where `smin` asks for it or the TV term needs it, else 0:
+    its two softmaxes cost about a tenth of the loss's forward and backward (measured on the CPU)."""
 
     @staticmethod
     def forward(ctx: Any, hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: torch.Tensor, row_w: torch.Tensor,
                 kl_w: float, ce_w: float, chunk: int, top: torch.Tensor | None, tv_w: float,
-                tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+                tau: float, smin_stat: bool) -> tuple[torch.Tensor, torch.Tensor]:
         f = torch.promote_types(w.dtype, torch.float32)  # softmax in float32 (float64 stays, for tests)
         loss = torch.zeros((), dtype=f, device=hd.device)
         stats = torch.zeros(5, dtype=f, device=hd.device)
@@ -234,8 +235,12 @@ class _Distill(torch.autograd.Function):
             lab = label[s:e]
             has = lab >= 0
             ce = -lq.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1) * has
-            smin = torch.minimum((ld / tau).softmax(-1), (lt / tau).softmax(-1)).sum(-1)
-            loss += (row_w[s:e] * (kl_w * kl + ce_w * ce + tv_w * (1 - smin))).sum()
+            term = kl_w * kl + ce_w * ce
+            smin = torch.zeros_like(kl)
+            if tv_w or smin_stat:
+                smin = torch.minimum((ld / tau).softmax(-1), (lt / tau).softmax(-1)).sum(-1)
+                term = term + tv_w * (1 - smin)
+            loss += (row_w[s:e] * term).sum()
             want = lt.argmax(-1) if top is None else top[s:e]
             stats += torch.stack([kl.sum(), ce.sum(), has.sum().to(f), (ld.argmax(-1) == want).sum().to(f), smin.sum()])
         ctx.save_for_backward(hd, ht, w, label, row_w)
@@ -263,19 +268,20 @@ class _Distill(torch.autograd.Function):
                 gl += ctx.tv_w / ctx.tau * qt * (sg - (qt * sg).sum(-1, keepdim=True))
             gl *= (row_w[s:e].to(f) * g).unsqueeze(1)
             gh[s:e] = F.linear(gl.to(w.dtype), w.t()).to(hd.dtype)
-        return gh, None, None, None, None, None, None, None, None, None, None
+        return gh, None, None, None, None, None, None, None, None, None, None, None
 
 
 def distill_loss(hd: torch.Tensor, ht: torch.Tensor, w: torch.Tensor, label: torch.Tensor, row_w: torch.Tensor,
                  kl_w: float, ce_w: float, chunk: int = 4096, top: torch.Tensor | None = None, *,
-                 tv_w: float = 0.0, tau: float = 0.7) -> tuple[torch.Tensor, torch.Tensor]:
+                 tv_w: float = 0.0, tau: float = 0.7, smin: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """hd: draft rows after the draft's final norm [N, H]; ht: target rows after the target's final norm
     [N, H]; w: the draft head [Vd, H]; label: draft-vocabulary index of the data token or -1 (no CE);
     row_w: [N] weights; top: the target's full-vocabulary argmax as a draft index or -1 (with a reduced
     vocabulary, so that agreement counts a target token outside it as a miss); tv_w, tau: the weight of
-    the total-variation term between both distributions at temperature tau. Returns (weighted loss,
-    stats [Σ KL, Σ CE, #CE rows, #argmax agreements, Σ min(p^tau, q^tau)])."""
-    return _Distill.apply(hd, ht.detach(), w.detach(), label, row_w.detach(), kl_w, ce_w, chunk, top, tv_w, tau)
+    the total-variation term between both distributions at temperature tau; smin: compute Σ min(p^tau,
+    q^tau) also without that term. Returns (weighted loss, stats [Σ KL, Σ CE, #CE rows, #argmax
+    agreements, Σ min(p^tau, q^tau) or 0])."""
+    return _Distill.apply(hd, ht.detach(), w.detach(), label, row_w.detach(), kl_w, ce_w, chunk, top, tv_w, tau, smin)
 
 
 # --- the draft ---------------------------------------------------------------------------------------------
@@ -416,7 +422,7 @@ class Trainer:
                     hd = rms(h.flatten(0, 1)[rows], layer.norm.weight, layer.norm.eps)
                     top = None if top_all is None else self.t2d[top_all[trow]]
                     loss, st = distill_loss(hd, ht_n[trow], w, lab, rw / n, cfg.kl_weight, cfg.ce_weight, cfg.chunk_rows,
-                                            top, tv_w=cfg.tv_weight, tau=cfg.tv_temperature)
+                                            top, tv_w=cfg.tv_weight, tau=cfg.tv_temperature, smin=not grad)
                     total = total + self.depth_w[k] * loss
                     stats.append(torch.cat([st, torch.tensor([float(rows.numel())], device=st.device)]))
         return total / sum(self.depth_w), torch.stack(stats)
@@ -540,7 +546,7 @@ class Trainer:
         a = acc.cpu().double().numpy()
         st = self.state
         rec = {"step": st.step, "epoch": round(epoch, 3), "lr": lr, "loss": round(float(loss) / max(n, 1), 4),
-               **per_depth(a),
+               **per_depth(a, smin=self.cfg.tv_weight > 0),  # training steps skip the stat without the TV term
                "elapsed_s": round(st.elapsed_s, 1), "tok_s": round(st.tokens / max(st.elapsed_s, 1e-9), 1)}
         st.history.append(rec)
         if self.log_file is not None:
@@ -563,14 +569,17 @@ class Trainer:
         return {**per_depth(a), "rows": [int(x) for x in a[:, 5].tolist()]}
 
 
-def per_depth(a: np.ndarray) -> dict[str, list[float]]:
+def per_depth(a: np.ndarray, smin: bool = True) -> dict[str, list[float]]:
     """Per-depth means of `batch_loss`'s summed stats [S, 6]: KL, CE (over its rows), top-1 agreement,
-    and `smin`, Σ min(p^τ, q^τ): the chance a draft sampled at the TV temperature is accepted."""
+    and (where it was computed) `smin`, Σ min(p^τ, q^τ): the chance a draft sampled at the TV
+    temperature is accepted."""
     rows = np.maximum(a[:, 5], 1)
-    return {"kl": [round(x, 4) for x in (a[:, 0] / rows).tolist()],
-            "ce": [round(x, 4) for x in (a[:, 1] / np.maximum(a[:, 2], 1)).tolist()],
-            "acc": [round(x, 4) for x in (a[:, 3] / rows).tolist()],
-            "smin": [round(x, 4) for x in (a[:, 4] / rows).tolist()]}
+    out = {"kl": [round(x, 4) for x in (a[:, 0] / rows).tolist()],
+           "ce": [round(x, 4) for x in (a[:, 1] / np.maximum(a[:, 2], 1)).tolist()],
+           "acc": [round(x, 4) for x in (a[:, 3] / rows).tolist()]}
+    if smin:
+        out["smin"] = [round(x, 4) for x in (a[:, 4] / rows).tolist()]
+    return out
 
 
 class _Progress:

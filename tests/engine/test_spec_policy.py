@@ -437,4 +437,12 @@ def test_spec_depths_add_depths_between_for_auto() -> None:
     assert run(e, PROMPTS, greedy(20)) == ref
     assert sorted(e.worker.iter_graphs) == [0, 2, 3] and all_free(e)
     with pytest.raises(EngineInputError, match="spec-depths"):
-        tiny_engine("random:3:2", spec_depths=[0, 4])
+        tiny_engine("random:3:2", spec_policy="auto", spec_depths=[0, 4])
+    from pydantic import ValidationError
+
+    from mleagle.engine.contract.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="auto policy"):
+        EngineConfig(spec_policy="always", spec_depths=[2])  # only auto chooses: refused, not ignored
+    with pytest.raises(ValidationError):
+        EngineConfig(spec_depths=[-1])

@@ -200,6 +200,10 @@ def test_distill_loss_gradient_matches_autograd() -> None:
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(got, hd.grad)
     torch.testing.assert_close(st[4], smin.sum().detach())
+    # Without the TV term the stat is skipped on request (training steps): the loss is the same
+    plain, st0 = T.distill_loss(hd.detach(), ht, w, lab, rw, 0.3, 0.7, chunk=8, smin=False)
+    torch.testing.assert_close(plain, T.distill_loss(hd.detach(), ht, w, lab, rw, 0.3, 0.7, chunk=8)[0])
+    assert float(st0[4]) == 0.0
 
 
 def _jobs(n: int, seed: int = 0) -> list[D.Job]:
@@ -642,6 +646,8 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
             "--holdout-seqs", "4", "--log-every-s", "100"]
     deep[deep.index("--layers") + 1] = "4"
     assert cli.main([*deep, "--tie-blocks", "1:1"]) == 2 and not (tmp_path / "deep").exists()
+    bad_tie = cli.main([*deep[:3], str(tmp_path / "deep-bad"), *deep[4:], "--tie-blocks", "1:0,2:0"])
+    assert bad_tie != 0 and not (tmp_path / "deep-bad" / "draft").exists()  # layer 1 exists: its blocks are its own
     assert cli.main([*deep, "--tie-blocks", "2:0,3:1"]) == 0
     c = load_draft(tmp_path / "deep" / "draft", arch)
     assert c.tied == {2: 0, 3: 1} and len(c.layers) == 4
