@@ -3,13 +3,15 @@
 `EngineClient` creates a private (0700) run dir `mleagle-run-<daemon pid>-*` under the temp folder,
 first removing the run dirs of daemons that are gone (a daemon killed with SIGKILL runs no cleanup;
 its engine removes the dir as it exits, and this sweep catches what is left when both died). Per
-engine generation it binds a PUSH (requests) and a PULL (outputs) socket there, spawns
+engine generation it listens there on the engine channel's Unix socket (`engine/contract/channel.py`:
+requests out, outputs in, the one connection admitted by the spawned process's pid) and binds the
+state events' zmq SUB socket, spawns
 `python -m mleagle.engine.service.process`, hands it the configuration on stdin (never a file, and
 without the API key; the key's environment variable is not inherited either) and waits for its
 `Ready`. Each request registers a sink (an asyncio queue shared by the n choices of one HTTP request)
 and gets its deltas there as `(tag, output)` (a `RequestOutput`, or a `TokenOutput` for one that is new
-tokens only); an engine-side refusal arrives as `(tag, EngineRequestFailed)`. If the process dies,
-every request in flight gets an `EngineDead` error at once, the state turns `dead` (so `/health` says
+tokens only); an engine-side refusal arrives as `(tag, EngineRequestFailed)`. If the process dies (or closes
+its channel), every request in flight gets an `EngineDead` error at once, the state turns `dead` (so `/health` says
 503), and the engine is restarted with backoff, or `on_fatal` is called so the server exits non-zero
 (`server.restart_engine = false`).
 A watchdog pings the engine every `ping_interval_s` (the pongs also keep pool usage and counters
@@ -35,6 +37,7 @@ from typing import Any
 import zmq
 
 from mleagle.daemon.zmq_reader import ZmqReader
+from mleagle.engine.contract.channel import DaemonChannel
 from mleagle.engine.contract.config import MleagleConfig
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.contract.protocol import (
@@ -127,8 +130,7 @@ class _Gen:
 
     n: int
     proc: asyncio.subprocess.Process
-    push: zmq.Socket
-    pull: zmq.Socket
+    chan: DaemonChannel
     events: zmq.Socket  # SUB, bound before the engine starts, so no early event is lost
     readers: list[ZmqReader] = field(default_factory=list)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -211,15 +213,11 @@ class EngineClient:
         self._n += 1
         n = self._n
         d = self.run_dir
-        req_addr, out_addr, ev_addr = (f"ipc://{d}/g{n}-{k}" for k in ("req", "out", "ev"))
-        push = self.ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; admission control bounds the queue
-        push.bind(req_addr)
-        pull = self.ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.RCVHWM, 0)
-        pull.bind(out_addr)
+        ev_addr = f"ipc://{d}/g{n}-ev"
+        holder: list[_Gen] = []  # the generation, once spawned: the channel's callbacks need it
+        chan = DaemonChannel(f"{d}/g{n}.sock", lambda batch: self._on_msgs(holder[0], batch),
+                             lambda why: self._channel_lost(holder[0], why) if holder else None)
+        await chan.listen()
         # The daemon binds the SUB side and the engine's PUB connects to it before it even loads the
         # model: the subscription is in place before the first event (no slow-joiner loss).
         events = self.ctx.socket(zmq.SUB)
@@ -228,14 +226,22 @@ class EngineClient:
         events.setsockopt(zmq.SUBSCRIBE, b"")
         events.bind(ev_addr)
         cmd = [sys.executable, "-m", "mleagle.engine.service.process", "--config-file", "-", "--run-dir", d,
-               "--requests", req_addr, "--outputs", out_addr, "--parent-pid", str(os.getpid())]
+               "--channel", chan.path, "--parent-pid", str(os.getpid())]
         if self.cfg.server.state_events:
             cmd += ["--events", ev_addr]
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         # A new session: Ctrl-C in the terminal reaches the daemon only, which then stops the engine.
-        proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, stdin=asyncio.subprocess.PIPE,
-                                                    env=env)
-        gen = self.gen = _Gen(n, proc, push, pull, events)
+        try:
+            proc = await asyncio.create_subprocess_exec(*cmd, start_new_session=True, stdin=asyncio.subprocess.PIPE,
+                                                        env=env)
+        except BaseException:
+            chan.close()
+            events.close(linger=0)
+            raise
+        gen = self.gen = _Gen(n, proc, chan, events)
+        holder.append(gen)
+        # The engine connects after reading its configuration, so its pid is known by then.
+        chan.expected_pid = proc.pid
         assert proc.stdin is not None
         try:  # the configuration travels on a pipe, without secrets: nothing of it lands on disk
             proc.stdin.write(self.cfg.for_engine().encode())
@@ -245,8 +251,7 @@ class EngineClient:
             pass  # the process died at once; _watch reports it
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        gen.readers = [ZmqReader(pull, lambda batch: self._on_msgs(gen, batch)),
-                       ZmqReader(events, lambda batch: self._on_events(gen, batch), multipart=True)]
+        gen.readers = [ZmqReader(events, lambda batch: self._on_events(gen, batch), multipart=True)]
         for r in gen.readers:
             r.start()
         watch = asyncio.create_task(self._watch(gen))
@@ -362,6 +367,27 @@ class EngineClient:
             log.error("engine pid %d did not exit %.0fs after SIGKILL; giving it up", gen.proc.pid, KILL_WAIT_S)
         self._ended(gen, self.error)
 
+    def _channel_lost(self, gen: _Gen, why: str) -> None:
+        """The engine's end of the channel closed: it is exiting (or was killed). Refuse new work now, and
+        fail its requests once the process is gone, as `_watch` does (its GPU memory is freed before a
+        restart), killing it if it has not exited within `KILL_WAIT_S`."""
+        if self._stopping or gen is not self.gen or gen.ended:
+            return
+        log.error("engine %d (pid %d): %s", gen.n, gen.proc.pid, why)
+        if self.state == "ready":
+            self._set_state("dead")
+        gen.tasks.append(asyncio.ensure_future(self._reap(gen, why)))
+
+    async def _reap(self, gen: _Gen, why: str) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(gen.proc.wait()), KILL_WAIT_S)
+        except asyncio.TimeoutError:
+            log.error("engine pid %d still runs %.0fs after closing its channel; killing it", gen.proc.pid, KILL_WAIT_S)
+            gen.proc.kill()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(gen.proc.wait()), KILL_WAIT_S)
+        self._ended(gen, why if gen.proc.returncode is None else f"engine process exited with code {gen.proc.returncode}")
+
     def _fail_all(self, why: str) -> None:
         reqs, self.reqs = self.reqs, {}
         for r in reqs.values():
@@ -400,8 +426,7 @@ class EngineClient:
                 t.cancel()
         for r in gen.readers:
             r.close()  # before the sockets: a closed fd must not stay registered with the loop
-        gen.push.close(linger=0)
-        gen.pull.close(linger=0)
+        gen.chan.close()
         gen.events.close(linger=0)
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -414,8 +439,8 @@ class EngineClient:
         gen = self.gen
         if gen is not None:
             if gen.proc.returncode is None:
-                with contextlib.suppress(zmq.ZMQError):
-                    gen.push.send(encode(Shutdown()), zmq.NOBLOCK)
+                with contextlib.suppress(ConnectionError):
+                    gen.chan.send(encode(Shutdown()))
                 t0 = time.perf_counter()
                 try:
                     await asyncio.wait_for(gen.proc.wait(), timeout)
@@ -436,9 +461,9 @@ class EngineClient:
         if self.gen is None or self.state != "ready":
             raise EngineUnavailable(self.error or f"engine is {self.state}")
         try:
-            self.gen.push.send(encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            raise EngineUnavailable(f"engine socket: {e}") from None
+            self.gen.chan.send(encode(msg))
+        except ConnectionError as e:
+            raise EngineUnavailable(f"engine channel: {e}") from None
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: asyncio.Queue[tuple[int, Any]], tag: int) -> None:
         if rid in self.reqs:

@@ -1,6 +1,7 @@
-"""The daemon–engine wire protocol: small pydantic messages sent as JSON over pyzmq (never pickle).
+"""The daemon–engine wire protocol: small pydantic messages sent as JSON over the engine channel (never
+pickle; `channel.py` frames them on one Unix socket).
 
-The daemon PUSHes `DaemonMsg`s (add, abort, ping, shutdown) to the engine process and PULLs
+The daemon sends `DaemonMsg`s (add, abort, ping, shutdown) to the engine process and reads
 `EngineMsg`s back (ready handshake, batched `RequestOutput` deltas, per-request errors, pongs with pool
 usage and counters, fatal). Every message carries a `type` discriminator, so one `decode_*` call parses
 any of them and anything else on the socket is rejected as a `ValueError`. The module is torch-free:

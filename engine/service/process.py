@@ -2,10 +2,11 @@
 
 It reads its configuration as JSON from a file or, as the daemon starts it, from stdin (`--config-file -`:
 nothing lands on disk, and the daemon leaves the API key out), builds `Engine(cfg)`, saves the
-tokenizer under the run dir (so the daemon loads it without torch), connects to the daemon's private
-`ipc://` sockets (PULL for requests, PUSH for outputs; both bound by the daemon inside a 0700 temp
-dir) and publishes state events on a PUB socket. When the daemon dies (SIGKILL runs none of its
-cleanup), the engine gets SIGTERM from the kernel, exits, and removes the daemon's run dir on its way. The loop drains every
+tokenizer under the run dir (so the daemon loads it without torch), connects to the daemon's channel
+(`engine/contract/channel.py`: one Unix socket inside the daemon's 0700 run dir, requests in and
+outputs out) and publishes state events on a zmq PUB socket. When the daemon dies (SIGKILL runs none of its
+cleanup), the channel reaches its end and the engine gets SIGTERM from the kernel: it exits, and removes
+the daemon's run dir on its way. The loop drains every
 pending message (a blocking poll when idle, non-blocking when there is work), runs one `engine.step()`,
 sends that step's deltas as one `Outputs` message (stamped with when it was sent: the daemon splits
 each request's TTFT by it), then publishes the state events. Once ready, it freezes what start-up built out
@@ -22,6 +23,7 @@ restarts them all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -33,8 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import zmq
-
+from mleagle.engine.contract.channel import EngineChannel
 from mleagle.engine.contract.config import MleagleConfig
 from mleagle.engine.contract.gc_watch import GcWatch, freeze
 from mleagle.engine.contract.outputs import RequestOutput
@@ -81,7 +82,7 @@ def build_engine(cfg: MleagleConfig) -> Any:
 class EngineLoop:
     """Owns the sockets and the request bookkeeping around one `Engine`."""
 
-    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, pump: EventPump | None = None,
+    def __init__(self, engine: Any, chan: EngineChannel, pump: EventPump | None = None,
                  gc_watch: GcWatch | None = None, spin_s: float = 0.0) -> None:
         self.engine = engine
         # After its last work the loop polls without sleeping this long (yielding the core to any
@@ -97,8 +98,7 @@ class EngineLoop:
         self.steps = 0
         self.pump = pump
         self.telemetry = pump.telemetry if pump is not None else None
-        self.pull = pull
-        self.push = push
+        self.chan = chan
         self.live: set[str] = set()  # rids the engine holds that have not finished
         self.failures = 0
         self.ppid = os.getppid()
@@ -107,7 +107,7 @@ class EngineLoop:
         self.input_error: type[Exception] = EngineInputError
 
     def send(self, msg: Any) -> None:
-        self.push.send(encode(msg))
+        self.chan.send(encode(msg))
 
     def handle(self, data: bytes) -> bool:
         """Apply one message; False means shut down."""
@@ -206,17 +206,27 @@ class EngineLoop:
         return None
 
     def run(self) -> int:
-        poller = zmq.Poller()
-        poller.register(self.pull, zmq.POLLIN)
+        """Serve until `Shutdown` or the daemon's end of the channel closes (0), or the engine fails."""
+        try:
+            return self._run()
+        except (BrokenPipeError, ConnectionResetError):
+            log.warning("the daemon closed the channel; engine exiting")
+            return 0
+
+    def _run(self) -> int:
         last_work = time.monotonic()
         while True:
             busy = self.engine.has_work()
             spinning = not busy and self.spin_s > 0 and time.monotonic() - last_work < self.spin_s
             timeout = 0 if busy or spinning else IDLE_POLL_MS
             n = 0
-            while n < MAX_DRAIN and poller.poll(timeout):
+            while n < MAX_DRAIN and self.chan.poll(timeout):
                 t0 = time.perf_counter()
-                if not self.handle(self.pull.recv()):
+                data = self.chan.recv()
+                if data is None:
+                    log.warning("the daemon closed the channel; engine exiting")
+                    return 0
+                if not self.handle(data):
                     return 0
                 self.spent["messages"] += time.perf_counter() - t0
                 n += 1
@@ -250,8 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m mleagle.engine.service.process", description=__doc__)
     ap.add_argument("--config-file", required=True, help="MleagleConfig as JSON; '-' reads it from stdin")
     ap.add_argument("--run-dir", required=True, help="private dir for the tokenizer copy")
-    ap.add_argument("--requests", required=True, help="zmq address to PULL requests from")
-    ap.add_argument("--outputs", required=True, help="zmq address to PUSH outputs to")
+    ap.add_argument("--channel", required=True, help="the daemon's Unix socket path (requests in, outputs out)")
     ap.add_argument("--events", default=None, help="zmq address to PUBlish state events on")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit if this process is not our parent")
     return ap.parse_args(argv)
@@ -372,15 +381,9 @@ def _main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop (Ctrl-C hits it)
     text = sys.stdin.read() if args.config_file == "-" else Path(args.config_file).read_text()
     cfg = MleagleConfig.model_validate_json(text)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    # The daemon always reads; a send that cannot go out for this long means it is gone.
-    push.setsockopt(zmq.SNDTIMEO, 60_000)
-    push.connect(args.outputs)
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.connect(args.requests)
+    # The daemon wrote the configuration after it knew this process's pid: it admits this connection.
+    # It always reads; a send that cannot go out for a minute means it is gone.
+    chan = EngineChannel(args.channel, send_timeout_s=60.0)
     t0 = time.perf_counter()
     pump = _event_pump(args.events)
     try:
@@ -407,8 +410,9 @@ def _main(args: argparse.Namespace) -> int:
         )
     except Exception as e:
         log.error("engine failed to start:\n%s", traceback.format_exc())
-        push.send(encode(Fatal(message=f"engine failed to start: {type(e).__name__}: {e}")))
-        ctx.destroy(linger=2000)
+        with contextlib.suppress(OSError):
+            chan.send(encode(Fatal(message=f"engine failed to start: {type(e).__name__}: {e}")))
+        chan.close()
         if "mleagle.engine.service.ranks" in sys.modules and sys.modules["mleagle.engine.service.ranks"].runtime():
             _hard_exit(args, 1)  # not a clean stop: the other ranks must fail (and be restarted) with us
         return 1
@@ -416,18 +420,18 @@ def _main(args: argparse.Namespace) -> int:
     frozen = freeze()
     log.info("engine ready in %.1fs: %s, max context %d (%d objects frozen for the collector)",
              time.perf_counter() - t0, ready.model_name, ready.max_context_len, frozen)
-    push.send(encode(ready))
+    chan.send(encode(ready))
     try:
         # A CPU engine's forwards run on the cores the daemon needs to serve: it never spins (nor does
         # the daemon beside it, by the same rule on `Ready.device`).
         spin_s = cfg.server.spin_ms / 1e3 if device not in (None, "cpu") else 0.0
-        code = EngineLoop(engine, pull, push, pump, GcWatch(frozen).install(), spin_s).run()
-    except zmq.Again:
+        code = EngineLoop(engine, chan, pump, GcWatch(frozen).install(), spin_s).run()
+    except TimeoutError:
         log.error("the daemon stopped reading outputs; engine exiting")
         code = 1
     if pump is not None:
         pump.close()
-    ctx.destroy(linger=1000)
+    chan.close()
     if code == 0 and hasattr(engine, "close"):
         engine.close()  # a clean stop: the other tensor-parallel ranks stop too (and their launchers end)
     elif _tensor_parallel(engine):

@@ -1,30 +1,56 @@
-"""The engine process's loop (`EngineLoop`) in this process, over real ZMQ sockets and a real CPU engine
-(tiny-dummy): after its last step it polls without sleeping for its spin window, takes a request that
-arrives inside that window, and then blocks again (its spin count stops growing)."""
+"""The engine process's loop (`EngineLoop`) in this process, over a real engine channel (a Unix socket)
+and a real CPU engine (tiny-dummy): after its last step it polls without sleeping for its spin window,
+takes a request that arrives inside that window, and then blocks again (its spin count stops growing);
+when the daemon's end of the channel closes, the loop ends."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from pathlib import Path
 
-import zmq
-
+from mleagle.engine.contract.channel import EngineChannel, FrameBuffer, frame
 from mleagle.engine.contract.config import load_config
 from mleagle.engine.contract.protocol import AddRequest, Outputs, Shutdown, decode_engine_msg, encode
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.service.process import EngineLoop, build_engine
 
 
-def test_the_loop_spins_after_work_then_blocks() -> None:
+class _Daemon:
+    """The daemon's end of the channel, blocking: a listening socket that takes the loop's connection."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.sock: socket.socket | None = None
+        self.buf = FrameBuffer()
+        self.frames: list[bytes] = []
+
+    def accept(self) -> None:
+        self.sock, _ = self.listener.accept()
+        self.sock.settimeout(20)
+
+    def send(self, data: bytes) -> None:
+        assert self.sock is not None
+        self.sock.sendall(frame(data))
+
+    def recv(self) -> bytes:
+        assert self.sock is not None
+        while not self.frames:
+            data = self.sock.recv(1 << 16)
+            assert data, "the engine loop closed the channel"
+            self.frames += self.buf.feed(data)
+        return self.frames.pop(0)
+
+
+def test_the_loop_spins_after_work_then_blocks(tmp_path: Path) -> None:
     engine = build_engine(load_config("tiny-dummy"))
-    ctx = zmq.Context()
-    to_engine, from_daemon = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_daemon, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_engine.bind("inproc://req")
-    from_daemon.connect("inproc://req")
-    from_engine.bind("inproc://out")
-    to_daemon.connect("inproc://out")
-    loop = EngineLoop(engine, from_daemon, to_daemon, spin_s=0.2)
+    daemon = _Daemon(tmp_path / "chan.sock")
+    chan = EngineChannel(str(tmp_path / "chan.sock"))
+    daemon.accept()
+    loop = EngineLoop(engine, chan, spin_s=0.2)
     done: list[int] = []
     th = threading.Thread(target=lambda: done.append(loop.run()), daemon=True)
     th.start()
@@ -32,11 +58,10 @@ def test_the_loop_spins_after_work_then_blocks() -> None:
 
         def run_one(rid: str) -> None:
             sp = SamplingParams(temperature=0, max_new_tokens=3)
-            to_engine.send(encode(AddRequest(rid=rid, prompt_ids=[1, 2, 3], params=sp)))
+            daemon.send(encode(AddRequest(rid=rid, prompt_ids=[1, 2, 3], params=sp)))
             got = 0
             while True:
-                assert from_engine.poll(20_000), "no output from the engine loop"
-                msg = decode_engine_msg(from_engine.recv())
+                msg = decode_engine_msg(daemon.recv())
                 if isinstance(msg, Outputs):
                     got += sum(len(t[1]) for t in msg.tokens) + sum(len(o.token_ids) for o in msg.outputs)
                     if any(o.finished for o in msg.outputs):
@@ -53,7 +78,26 @@ def test_the_loop_spins_after_work_then_blocks() -> None:
         time.sleep(0.2)
         assert loop.spins == s1
     finally:
-        to_engine.send(encode(Shutdown()))
+        daemon.send(encode(Shutdown()))
         th.join(30)
-        ctx.destroy(linger=0)
+        chan.close()
+    assert done == [0]
+
+
+def test_the_loop_ends_when_the_daemon_closes_the_channel(tmp_path: Path) -> None:
+    engine = build_engine(load_config("tiny-dummy"))
+    daemon = _Daemon(tmp_path / "chan.sock")
+    chan = EngineChannel(str(tmp_path / "chan.sock"))
+    daemon.accept()
+    loop = EngineLoop(engine, chan)
+    done: list[int] = []
+    th = threading.Thread(target=lambda: done.append(loop.run()), daemon=True)
+    th.start()
+    sp = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
+    daemon.send(encode(AddRequest(rid="a", prompt_ids=[1, 2, 3], params=sp)))
+    assert isinstance(decode_engine_msg(daemon.recv()), Outputs)  # it runs: the request is in flight
+    assert daemon.sock is not None
+    daemon.sock.close()  # a daemon killed mid-request: the loop sees the end of the stream
+    th.join(30)
+    chan.close()
     assert done == [0]
