@@ -136,8 +136,7 @@ class _Protocol(asyncio.Protocol):
         self.accepted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # asyncio's or uvloop's stream transport
         why = self.chan._admit(self, transport)
         if why is not None:
             log.error("closed a connection to the engine channel: %s", why)
@@ -169,7 +168,9 @@ def peer_pid(transport: asyncio.BaseTransport) -> int | None:
     opt = getattr(socket, "SO_PEERCRED", None)
     if sock is None or opt is None:
         return None
-    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
+    # A duplicate of the fd: uvloop hands out a pseudo-socket that need not implement getsockopt.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sock.fileno())) as s:
+        pid, _, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
     return int(pid)
 
 
