@@ -44,6 +44,7 @@ from mleagle.engine.contract.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
+    EventDetail,
     Fatal,
     Outputs,
     Ping,
@@ -167,6 +168,7 @@ class EngineClient:
         self.last_pong: Pong | None = None
         self.last_pong_t = 0.0
         self.reqs: dict[str, _Req] = {}
+        self.events_full = False  # someone watches the state events: every step's, not a sample
         for d in sweep_stale_run_dirs():
             log.info("removed the run dir of a daemon that is gone: %s", d)
         self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")  # mkdtemp makes it 0700
@@ -272,6 +274,9 @@ class EngineClient:
         self.last_seen = time.monotonic()
         log.info("engine %d ready in %.1fs (pid %d): %s", n, time.perf_counter() - t0, proc.pid, ready.model_name)
         self._set_state("ready")
+        if self.events_full:  # a new engine starts sampling its step events: tell it who watches
+            with contextlib.suppress(EngineUnavailable):
+                self._send(EventDetail(full=True))
 
     def _on_events(self, gen: _Gen, batch: list[list[bytes]]) -> None:
         if self.on_events is not None and not gen.ended:
@@ -481,6 +486,14 @@ class EngineClient:
             self._send(AbortRequest(rid=rid))
         except EngineUnavailable:
             self.reqs.pop(rid, None)
+
+    def set_event_detail(self, full: bool) -> None:
+        """Every step's state events (someone subscribes) or a sample of them; kept across restarts."""
+        if full == self.events_full:
+            return
+        self.events_full = full
+        with contextlib.suppress(EngineUnavailable):
+            self._send(EventDetail(full=full))
 
     @property
     def num_inflight(self) -> int:

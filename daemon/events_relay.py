@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from mleagle.daemon.errors import APIError
-from mleagle.engine.contract.event_bus import StateTracker
+from mleagle.engine.contract.event_bus import StateTracker, split_events
 from mleagle.engine.contract.events import EVENT_TYPES, DropsEvent, EventError, dump_event, parse_event
 
 log = logging.getLogger("mleagle.daemon.events")
@@ -71,22 +71,28 @@ class EventsRelay:
         hundreds of steps a second, so the per-wake-up cost is what the daemon pays per step."""
         if gen != self.gen:
             self.gen, self.tracker, self.latest = gen, StateTracker(), {}  # a new engine: old state is gone
-        for frames in batch:
-            self.received += 1
-            kind = frames[0]
-            if not self.subs and (kind in LATEST_ONLY or kind in UNTRACKED):
-                # Nobody is listening and the tracker keeps only the newest of these (or none): parse
-                # it when a subscriber's snapshot needs it (`_settle`), not hundreds of times a second.
-                if kind in LATEST_ONLY:
-                    self.latest[kind] = frames[-1]
-                continue
-            try:
-                e = parse_event(frames[-1])
-            except EventError:
-                continue
-            self.tracker.apply(e)
-            for s in self.subs:
-                s.put(e)
+        for msg in batch:
+            for kind, raw in split_events(msg):
+                self.received += 1
+                if not self.subs and (kind in LATEST_ONLY or kind in UNTRACKED):
+                    # Nobody is listening and the tracker keeps only the newest of these (or none): parse
+                    # it when a subscriber's snapshot needs it (`_settle`), not hundreds of times a second.
+                    if kind in LATEST_ONLY:
+                        self.latest[kind] = raw
+                    continue
+                try:
+                    e = parse_event(raw)
+                except EventError:
+                    continue
+                self.tracker.apply(e)
+                for s in self.subs:
+                    s.put(e)
+
+    def _detail(self) -> None:
+        """Every step's events while anyone subscribes, a sample of them otherwise (`EventDetail`)."""
+        set_detail = getattr(self.client, "set_event_detail", None)
+        if set_detail is not None:
+            set_detail(bool(self.subs))
 
     def _settle(self) -> None:
         """Fold the unparsed newest events into the tracker (before a snapshot is taken)."""
@@ -113,6 +119,7 @@ class EventsRelay:
         sub = _Sub(types)
         self._settle()  # before the subscriber is added: from here on every event is parsed and relayed
         self.subs.add(sub)
+        self._detail()
         # Two tasks, both owned here: whatever ends this handler (the client closing, a dropped
         # connection cancelling it, a send that times out) cancels and awaits both, so no task is
         # ever left pending for the garbage collector.
@@ -136,6 +143,7 @@ class EventsRelay:
             pass
         finally:
             self.subs.discard(sub)
+            self._detail()
             for t in (getter, reader):
                 if t is not None:
                     t.cancel()

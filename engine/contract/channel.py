@@ -136,11 +136,12 @@ class _Protocol(asyncio.Protocol):
         self.accepted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # asyncio's or uvloop's stream transport
-        why = self.chan._admit(self, transport)
+        t: asyncio.Transport = transport  # type: ignore[assignment]  # asyncio's or uvloop's stream transport
+        self.transport = t
+        why = self.chan._admit(self, t)
         if why is not None:
             log.error("closed a connection to the engine channel: %s", why)
-            transport.abort()
+            t.abort()
             return
         self.accepted = True
 

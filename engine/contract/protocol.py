@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from mleagle.engine.contract.outputs import RequestOutput, TokenDelta
 from mleagle.engine.contract.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: running deltas travel as `TokenDelta` arrays (`Outputs.tokens`)
+# 2: running deltas travel as `TokenDelta` arrays (`Outputs.tokens`); 3: `EventDetail`
+PROTOCOL_VERSION = 3
 
 
 class _Msg(BaseModel):
@@ -53,7 +54,17 @@ class Shutdown(_Msg):
     type: Literal["shutdown"] = "shutdown"
 
 
-DaemonMsg = Annotated[AddRequest | AbortRequest | Ping | Shutdown, Field(discriminator="type")]
+class EventDetail(_Msg):
+    """Whether anyone watches the state events (a `/v1/events` subscriber): `full` publishes every
+    step's events; otherwise the per-step ones (batches, pools, acceptance, the policy's decisions,
+    logprob metadata) go out for at most one step every `Telemetry.SAMPLE_EVERY_S`, which keeps the
+    daemon's snapshot current at a fraction of the cost. The engine starts without it."""
+
+    type: Literal["event_detail"] = "event_detail"
+    full: bool
+
+
+DaemonMsg = Annotated[AddRequest | AbortRequest | Ping | Shutdown | EventDetail, Field(discriminator="type")]
 
 # ---- engine -> daemon ---------------------------------------------------------------------------
 
@@ -145,7 +156,7 @@ def _decode(adapter: TypeAdapter[Any], data: bytes) -> Any:
         raise ValueError(f"bad protocol message: {e.errors(include_url=False)[:3]}") from None
 
 
-def decode_daemon_msg(data: bytes) -> AddRequest | AbortRequest | Ping | Shutdown:
+def decode_daemon_msg(data: bytes) -> AddRequest | AbortRequest | Ping | Shutdown | EventDetail:
     return _decode(_daemon_msg, data)
 
 

@@ -42,6 +42,7 @@ from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.contract.protocol import (
     AbortRequest,
     AddRequest,
+    EventDetail,
     Fatal,
     Outputs,
     Ping,
@@ -135,6 +136,9 @@ class EngineLoop:
             t0 = time.perf_counter()
             self.send(self.pong(msg.seq))
             self.spent["pong"] += time.perf_counter() - t0
+        elif isinstance(msg, EventDetail):
+            if self.telemetry is not None:
+                self.telemetry.full = msg.full
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -155,7 +159,9 @@ class EngineLoop:
             if self.gc_watch is not None:
                 stats["gc"] = self.gc_watch.snapshot()
             spent = {**self.spent, "telemetry": self.telemetry.spent_s if self.telemetry is not None else 0.0}
-            stats["loop"] = {"steps": self.steps, "spins": self.spins, **{f"{k}_s": round(v, 4) for k, v in spent.items()}}
+            stats["loop"] = {"steps": self.steps, "spins": self.spins, **{f"{k}_s": round(v, 4) for k, v in spent.items()},
+                             "events_full": self.telemetry.full if self.telemetry is not None else None,
+                             "steps_sampled_out": self.telemetry.sampled_out if self.telemetry is not None else 0}
         rss = peak_rss_mb()
         return Pong(seq=seq, num_requests=len(self.live), pool_usage=usage, stats=stats, max_rss_mb=rss)
 
@@ -275,13 +281,14 @@ class EventPump:
         self.telemetry: Any = None
         self.last_drops = 0.0
 
-    def attach(self, engine: Any) -> None:
-        """Attach the engine's telemetry, publishing into a new bus this pump drains."""
+    def attach(self, engine: Any, full: bool = False) -> None:
+        """Attach the engine's telemetry, publishing into a new bus this pump drains; every step's
+        events only once the daemon says someone watches (`EventDetail`)."""
         from mleagle.engine.contract.event_bus import EventBus
         from mleagle.engine.service.telemetry import Telemetry
 
         self.bus = EventBus()
-        self.telemetry = Telemetry.attach(engine, self.bus)
+        self.telemetry = Telemetry.attach(engine, self.bus, full)
 
     def pump(self) -> None:
         if self.bus is None:

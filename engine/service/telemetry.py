@@ -9,7 +9,12 @@ layout; the forwards inside a whole-iteration graph replay, which no runner obse
 queued since the last step, the step's batch and any draft-extend batches, per-runner pool occupancy,
 acceptance, the speculation policy's decision for the iteration applied (its depth, reason and gains;
 speculative engines only), request lifecycle and per-token logprobs), `idle` and `status` (rates,
-graphs, the policy's totals). Everything read here is a Python int, a list length or a tensor shape. Request events carry
+graphs, the policy's totals). With `full` off (the engine process starts so, and the daemon turns it on
+while a `/v1/events` subscriber watches) the per-step events (logprob metadata, batches, acceptance,
+the policy's decision, pools) describe one step every `SAMPLE_EVERY_S` and no other: building and
+publishing them every step cost a speculative server 13-27 % of its throughput at concurrency 8-32 on
+an H200 (`results/gpu/round10/serve_matrix_ev.md`), for a snapshot nobody read. Request lifecycle
+events and the status events go out as always. Everything read here is a Python int, a list length or a tensor shape. Request events carry
 counts and lifecycle only: token ids, token text and logprobs (another user's output, readable by
 every subscriber) go into them only when the operator sets `server.events_include_text`.
 """
@@ -32,9 +37,15 @@ if TYPE_CHECKING:
 
 
 class Telemetry:
-    def __init__(self, engine: Engine, bus: EventBus | None = None):
+    SAMPLE_EVERY_S = 0.1  # without `full`: the per-step events of at most one step this often
+
+    def __init__(self, engine: Engine, bus: EventBus | None = None, full: bool = True):
         self.e = engine
         self.bus: Any = bus
+        self.full = full
+        self.last_sample = 0.0
+        self.sampled_out = 0  # steps whose per-step events were left out (not `full`)
+        self.pending: StepReport | None = None  # the last step, when it was left out: reported at idle
         self.start = time.time()
         self.running: set[str] = set()
         self.prompt_total = self.gen_total = self.finished_total = 0
@@ -45,9 +56,9 @@ class Telemetry:
         self.spent_s = 0.0  # host seconds in these hooks (the engine process reports it with its loop's)
 
     @classmethod
-    def attach(cls, engine: Engine, bus: EventBus) -> Telemetry:
+    def attach(cls, engine: Engine, bus: EventBus, full: bool = True) -> Telemetry:
         """Observe `engine`'s forwards and steps, emitting into `bus`."""
-        t = cls(engine, bus)
+        t = cls(engine, bus, full)
         for r in engine.runners:
             r.observer = t.on_forward
         engine.observers.append(t.on_step)
@@ -55,7 +66,7 @@ class Telemetry:
 
     def on_forward(self, runner: ModelRunner, batch: ForwardBatch, out: ForwardOutput) -> None:
         self.forwards[runner.name] = self.forwards.get(runner.name, 0) + 1
-        if self.bus is None:
+        if self.bus is None or not self.full:  # sampled steps report their replayed forwards in on_step
             return
         t0 = time.perf_counter()
         # The per-rank counts this forward's gathers used: its own (eager), or by the same rule from the
@@ -79,7 +90,6 @@ class Telemetry:
             self.spent_s += time.perf_counter() - t0
 
     def _on_step(self, outputs: list[RequestOutput], report: StepReport) -> None:
-        s = self.e.scheduler
         new_tokens = sum(len(o.token_ids) for o in outputs)
         self.gen_total += new_tokens
         now = time.time()
@@ -89,10 +99,26 @@ class Telemetry:
                 self.bus.emit(ev.RequestEvent(rid=rid, state="queued", prompt_tokens=n))
         if self.bus is None:
             return
+        self.prompt_window += report.prefill_tokens
+        if self.full or now - self.last_sample >= self.SAMPLE_EVERY_S:
+            self.last_sample, self.pending = now, None
+            self._step_events(report)
+        else:
+            self.sampled_out += 1
+            self.pending = report
+        self._requests(outputs, report)
+        self._window.append((now, new_tokens, self.prompt_window))
+        self.prompt_window = 0
+        if now - self.last_status >= 1.0:
+            self.status(now)
+
+    def _step_events(self, report: StepReport) -> None:
+        """What one step ran: its forwards' logprob metadata and batches, acceptance, the policy's
+        decision, and every runner's pool."""
+        s = self.e.scheduler
         bus, step = self.bus, s.num_steps
         duration = report.duration_s
         w = self.e.worker
-        self.prompt_window += report.prefill_tokens
         forwards = list(report.forwards)
         main = forwards[0] if forwards else None
         last = getattr(w, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
@@ -128,6 +154,13 @@ class Telemetry:
                                   kv_cached=u["kv_cached"], kv_evictable=u["kv_evictable"],
                                   req_used=u["req_used"], req_total=u["req_total"],
                                   page_size=self.e.allocator.page_size, step=step))
+
+    def _requests(self, outputs: list[RequestOutput], report: StepReport) -> None:
+        """Request lifecycle: running, preempted, finished (with their tokens when the operator asked)."""
+        s, bus = self.e.scheduler, self.bus
+        forwards = report.forwards
+        main = forwards[0] if forwards else None
+        last = getattr(self.e.worker, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
         running = {r.rid for r in s.running}
         for rid in running - self.running:
             bus.emit(ev.RequestEvent(rid=rid, state="running"))
@@ -159,13 +192,16 @@ class Telemetry:
             elif toks:
                 bus.emit(ev.RequestEvent(rid=o.rid, state="running", prompt_tokens=o.num_prompt_tokens,
                                          output_tokens=o.num_output_tokens, tokens=toks))
-        self._window.append((now, new_tokens, self.prompt_window))
-        self.prompt_window = 0
-        if now - self.last_status >= 1.0:
-            self.status(now)
 
     def idle(self) -> None:
-        """Called by the engine process while it waits: keeps status (rates, uptime) current."""
+        """Called by the engine process while it waits: keeps status (rates, uptime) current, and
+        reports the last step if it was left out, so the state an idle engine leaves (its pools free)
+        is what the daemon's snapshot shows."""
+        if self.pending is not None and self.bus is not None:
+            t0 = time.perf_counter()
+            self._step_events(self.pending)
+            self.pending = None
+            self.spent_s += time.perf_counter() - t0
         now = time.time()
         if self.bus is not None and now - self.last_status >= 1.0:
             self.status(now)

@@ -197,6 +197,41 @@ async def test_type_filter_and_snapshot_of_current_state(srv: ServerProc) -> Non
             assert r.status == 400 and "nope" in (await r.json())["error"]["message"]
 
 
+async def test_every_step_is_reported_only_while_someone_watches(srv: ServerProc) -> None:
+    """Without a subscriber the engine reports a sample of its steps (the daemon told it: `EventDetail`);
+    while one watches, every step; the engine's loop stats (`/debug/engine`) say which and count the
+    steps left out."""
+    async with aiohttp.ClientSession() as s:
+
+        async def loop_stats() -> dict[str, Any]:
+            async with s.get(srv.url + "/debug/engine", headers=AUTH) as r:
+                assert r.status == 200
+                return (await r.json())["stats"]["loop"]
+
+        for _ in range(100):  # an earlier test's subscriber may still be leaving
+            if (st := await loop_stats())["events_full"] is False:
+                break
+            await asyncio.sleep(0.05)
+        assert st["events_full"] is False
+        n0 = st["steps_sampled_out"]
+        await gen(s, srv, list(range(3, 20)), 64, None)
+        assert (await loop_stats())["steps_sampled_out"] > n0
+        async with s.ws_connect(ws_url(srv), headers=AUTH) as ws:
+            rec = Recorder(ws)
+            await rec.wait(lambda: len(rec.raw) >= 1)
+            st = await loop_stats()
+            assert st["events_full"] is True
+            await gen(s, srv, list(range(3, 20)), 64, None)
+            assert (await loop_stats())["steps_sampled_out"] == st["steps_sampled_out"]
+            rec.task.cancel()
+        for _ in range(100):
+            if (await loop_stats())["events_full"] is False:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the engine still reports every step with nobody watching")
+
+
 async def test_events_need_the_api_key(srv: ServerProc) -> None:
     async with aiohttp.ClientSession() as s:
         for headers in ({}, {"Authorization": "Bearer wrong"}):

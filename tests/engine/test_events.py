@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from mleagle.engine.contract.event_bus import (
     StateTracker,
     ZmqEventPublisher,
     runner_order,
+    split_events,
 )
 from mleagle.engine.contract.events import (
     EVENT_TYPES,
@@ -237,38 +239,41 @@ def test_state_tracker_snapshot() -> None:
     assert sorted(["draft10", "draft2", "zz", "target"], key=runner_order) == ["target", "draft2", "draft10", "zz"]
 
 
-def test_zmq_round_trip_and_type_filter() -> None:
-    """Each event goes out as [type, JSON]: a SUB subscribed to some types gets only those (the first
-    frame is the topic), and every one parses back; a malformed JSON frame is an `EventError`, which
-    the daemon's relay skips."""
-    pub = ZmqEventPublisher("tcp://127.0.0.1:*")
+def test_zmq_round_trip_one_message_per_publish() -> None:
+    """A `publish` goes out as one message [kinds, lines] (a single event is [type, JSON]); `split_events`
+    gives every event back in order with its type, and each parses; a malformed JSON line is an
+    `EventError`, which the daemon's relay skips, and a message whose frames do not pair is dropped."""
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", max_per_msg=4)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
-    for t in (b"pool", b"batch"):
-        sub.setsockopt(zmq.SUBSCRIBE, t)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(pub.address)
     try:
         evs = one_of_each()
+        assert len(evs) > 4  # more than one message's worth
         got: list = []
         deadline = time.monotonic() + 5
-        # PUB drops until the subscription has propagated: publish until the first one arrives
+        # PUB drops until the subscription has propagated: publish until something arrives
         while not got and time.monotonic() < deadline:
-            pub.publish(evs)
+            pub.publish(evs[:1])
             if sub.poll(50):
                 got.append(sub.recv_multipart())
         assert got, "subscriber never received anything"
-        pub.sock.send_multipart([b"pool", b"{not json"])
-        pub.publish(evs)
-        while sub.poll(200):
-            got.append(sub.recv_multipart())
-        assert {f[0] for f in got} == {b"pool", b"batch"}
-        parsed, bad = [], 0
-        for f in got:
-            try:
-                parsed.append(parse_event(f[-1]))
-            except EventError:
-                bad += 1
-        assert bad == 1 and {e.type for e in parsed} == {"pool", "batch"}
+        while sub.poll(100):
+            sub.recv_multipart()
+        assert pub.publish(evs) == len(evs)
+        msgs = []
+        while len(msgs) < -(-len(evs) // 4):
+            assert sub.poll(2000), "a message did not arrive"
+            msgs.append(sub.recv_multipart())
+        pairs = [p for m in msgs for p in split_events(m)]
+        assert [k.decode() for k, _ in pairs] == [e.type for e in evs]
+        assert [parse_event(raw).model_dump(exclude={"ts"}) for _, raw in pairs] == \
+            [e.model_dump(exclude={"ts"}) for e in evs]
+        assert split_events([b"pool", b"{not json"]) == [(b"pool", b"{not json")]
+        with pytest.raises(EventError):
+            parse_event(b"{not json")
+        assert split_events([b"pool batch", b"{}"]) == []  # two kinds, one line: not a message of ours
     finally:
         sub.close(linger=0)
         ctx.term()
@@ -289,7 +294,7 @@ def test_zmq_slow_subscriber_never_blocks_publisher() -> None:
                          num_tokens_per_req=[1] * 200)  # ~2.5 kB, so kernel buffers fill quickly
         n = 20000
         t = time.perf_counter()
-        sent = pub.publish(big for _ in range(n))
+        sent = sum(pub.publish([big]) for _ in range(n))  # a message per call, as the engine's pump sends
         dt = time.perf_counter() - t
         assert sent + pub.dropped["batch"] == n
         assert pub.dropped["batch"] > n // 2, pub.dropped  # bounded: most of them were dropped, counted
@@ -360,3 +365,41 @@ def test_target_only_engine_reports_no_policy() -> None:
     assert not any(isinstance(x, SpecPolicyEvent) for x in evs)
     assert [x for x in evs if isinstance(x, EngineEvent)][-1].spec_policy is None
     assert e.stats()["spec_policy"] is None
+
+
+def test_without_full_detail_only_a_sample_of_steps_is_reported_and_the_idle_state_last() -> None:
+    """With `full` off (an engine process nobody watches) the per-step events describe at most one step
+    per `SAMPLE_EVERY_S`, each step whole (its batches, acceptance, decision and every pool); request
+    lifecycle events all still go out; `idle` reports the last step if it was left out, so the latest
+    pools say free once the requests end. Turned on, every step is reported again."""
+    e = tiny_engine("random:2:1", spec_policy="always")
+    bus = EventBus()
+    tel = Telemetry.attach(e, bus, full=False)
+    tel.SAMPLE_EVERY_S = 3600.0  # one sampled step in this test: the first
+    for i in range(3):
+        e.add_request(f"r{i}", list(range(5 + i, 20 + i)), greedy(12))
+    steps = 0
+    while e.has_work():
+        e.step()
+        steps += 1
+    evs = bus.drain()
+    batch_steps = {x.step for x in evs if isinstance(x, BatchEvent)}
+    assert len(batch_steps) == 1 and tel.sampled_out == steps - 1
+    pools = [x for x in evs if isinstance(x, PoolEvent)]
+    assert {p.runner for p in pools} == {"target", "draft0", "draft1"} and {p.step for p in pools} == batch_steps
+    states = Counter(x.state for x in evs if isinstance(x, RequestEvent))
+    assert states["queued"] == states["finished"] == 3 and states["running"] >= 3
+    assert tel.pending is not None
+    tel.idle()  # the engine waits: the last step (left out) is reported now, with its pools free
+    last = bus.drain()
+    assert tel.pending is None
+    assert {x.step for x in last if isinstance(x, BatchEvent)} == {e.scheduler.num_steps}
+    free = [x for x in last if isinstance(x, PoolEvent)]
+    assert len(free) == 3 and all(p.kv_used == 0 and p.req_used == 0 for p in free)
+    tel.full = True
+    e.add_request("again", list(range(40, 50)), greedy(6))
+    n0 = e.scheduler.num_steps
+    while e.has_work():
+        e.step()
+    evs = bus.drain()
+    assert {x.step for x in evs if isinstance(x, BatchEvent)} == set(range(n0 + 1, e.scheduler.num_steps + 1))
