@@ -128,6 +128,10 @@ class EngineConfig(BaseModel):
     # for a 5-step draft whose deep steps pay at small batches only). Each in 0..S (S is checked when the
     # draft loads); 0 and S are always in. Only `auto` chooses, so other policies refuse it.
     spec_depths: list[Annotated[int, Field(ge=0)]] | None = None
+    # Seconds the warm-up (server.warm_up) may spend timing each depth `auto` chooses from in each
+    # batch-size bucket, smallest first, so that a server's first minutes do not pay for the timing in
+    # explore iterations and catch-ups; buckets left (the large ones on a CPU) are timed online. 0: none.
+    spec_prime_s: float = Field(2.0, ge=0)
     # Reuse the KV of cached prompt prefixes (a radix tree shared by the target and every draft runner).
     enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)

@@ -323,7 +323,7 @@ class Engine:
         elif msg[0] == "spec_warming":
             self.worker.policy.warming = msg[1]  # type: ignore[attr-defined]
         elif msg[0] == "reset_counters":
-            self.worker.reset_counters()
+            self.worker.reset_counters(*msg[1:])
         elif msg[0] == "spec_cost":  # rank 0's iteration timings: every rank's policy learns the same
             self.worker.policy.apply_published(msg[1])  # type: ignore[attr-defined]
         else:
@@ -351,8 +351,10 @@ class Engine:
     def warm_up(self, lengths: Sequence[int] = (32, 256)) -> float:
         """Meet, before any request does, the shapes a first request meets: a prefill at each of a few
         prompt lengths with a few decode steps, greedy alone and sampled side by side (so the sampler's
-        and the batch's paths run too); then forget it all: the prefix cache emptied, every counter
-        back to zero, the request seeds starting over. Returns the seconds it took. Under tensor
+        and the batch's paths run too); under `auto`, time the speculation policy's depths at each batch
+        size it has `spec_prime_s` for (`_prime_policy`); then forget it all but those timings: the
+        prefix cache emptied, every counter back to zero, the request seeds starting over. Returns the
+        seconds it took. Under tensor
         parallelism the followers run it too (it goes through `add_request` and `step`)."""
         t0 = time.perf_counter()
         v = self.arch.vocab_size
@@ -367,15 +369,61 @@ class Engine:
             self.generate(prompts, [sampled] * len(prompts))
         finally:
             self._warming(False)
+        primed = self._prime_policy(self.cfg.engine.spec_prime_s)
         self.reset_prefix_cache()
         s, w = self.scheduler, self.worker
         s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = s.num_mixed = s.num_held = 0
-        w.reset_counters()
-        if self.control is not None:  # the speculation policy forgets too, on every rank alike
-            self.control.submit(("reset_counters",))
+        # The speculation policy forgets the warm-up's prompts (their acceptance), on every rank alike,
+        # but keeps what it timed.
+        w.reset_counters(primed)
+        if self.control is not None:
+            self.control.submit(("reset_counters", primed))
         self._seeds = itertools.count()
         self._added = []
         return time.perf_counter() - t0
+
+    def _prime_policy(self, budget_s: float) -> bool:
+        """Time each depth `auto` chooses from in each batch-size bucket, smallest first, within about
+        `budget_s`: per bucket, that many greedy requests run until the policy has timed every depth
+        there (it explores what it has not timed, as it would under traffic), then are aborted. A
+        bucket is not started when the one before, scaled by size, says it would overrun. Returns
+        whether anything was timed (the policy then keeps its timings through the reset)."""
+        policy = getattr(self.worker, "policy", None)
+        if policy is None or policy.mode != "auto" or budget_s <= 0:
+            return False
+        from mleagle.engine.spec.policy import size_bucket
+
+        n_new = (policy.steps + 1) * (3 * policy.min_samples + 4)  # the batch must not shrink before it is timed
+        per_req = 24 + n_new + self.worker.lookahead
+        if per_req > self.max_context_len:
+            return False
+        cap = min(self.scheduler.max_running, self.allocator.capacity_tokens // per_req)
+        v = self.arch.vocab_size
+        params = SamplingParams(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        last: tuple[int, float] | None = None
+        timed: list[int] = []
+        for b in sorted({size_bucket(n) for n in range(1, cap + 1)}):
+            n = min(b, cap)
+            spent = time.perf_counter() - t0
+            if last is not None and spent + last[1] * n / last[0] > budget_s:
+                break
+            t1 = time.perf_counter()
+            rids = [f"prime-{b}-{i}" for i in range(n)]
+            for i, rid in enumerate(rids):
+                self.add_request(rid, [(11 * i + 5 * k + 1) % v for k in range(24)], params)
+            while self.has_work() and not policy.timed(b):
+                self.step()
+            for rid in rids:
+                self.abort(rid)
+            while self.has_work():
+                self.step()
+            if policy.timed(b):
+                timed.append(b)
+            last = (n, time.perf_counter() - t1)
+        log.info("speculation policy: depths %s timed at batch sizes up to %s in %.2fs (buckets %s)",
+                 policy.choices, max(timed, default=0), time.perf_counter() - t0, timed)
+        return bool(timed)
 
     def _warming(self, on: bool) -> None:
         policy = getattr(self.worker, "policy", None)

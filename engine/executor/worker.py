@@ -670,8 +670,9 @@ class TargetWorker:
     def on_finish(self, p: Pending, res: list[StepResult]) -> None:
         """Hook for the speculative worker's accounting."""
 
-    def reset_counters(self) -> None:
-        """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up."""
+    def reset_counters(self, keep_policy_costs: bool = False) -> None:
+        """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up.
+        (`keep_policy_costs` is the speculative worker's: its policy keeps the timings.)"""
         for r in self.runners:
             r.eager.clear()
             r.num_forwards = 0

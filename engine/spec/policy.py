@@ -310,12 +310,21 @@ class SpecPolicy:
         for b, d, sec in timings:
             self._time(int(b), int(d), float(sec))
 
-    def reset(self) -> None:
-        """Forget everything learned (the engine's warm-up runs shapes that are not the traffic)."""
+    def reset(self, keep_costs: bool = False) -> None:
+        """Forget everything learned (the engine's warm-up runs prompts that are not the traffic), or
+        everything but the timings (`keep_costs`: what an iteration of each depth costs in each bucket,
+        a catch-up and a draft fill cost the same whatever the prompts)."""
+        kept = (self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost)
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
                       window=self.window, horizon=self.horizon, dwell=self.dwell, choices=self.choices,
                       publish=self.publish)
+        if keep_costs:
+            self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
+
+    def timed(self, b: int) -> bool:
+        """Every depth `auto` chooses from has been timed in bucket `b` as often as it needs."""
+        return all(self.samples[(b, d)] >= self.min_samples for d in self.choices)
 
     def snapshot(self) -> dict[str, object]:
         """Host values for events and `/debug`: the mode, the last decision, the rates and costs."""

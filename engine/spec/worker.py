@@ -801,13 +801,13 @@ class SpecWorker(TargetWorker):
                 self.stats.accepted_per_depth[j] += 1
             self.boundary_kv_stale_positions += self.stale_positions(n, depth)
 
-    def reset_counters(self) -> None:
+    def reset_counters(self, keep_policy_costs: bool = False) -> None:
         super().reset_counters()
         if self.fill_graph is not None:
             self.fill_graph.stats.replays.clear()
         self.stats = SpecStats(accepted_per_depth=[0] * self.steps)
         self.boundary_kv_stale_positions = 0
-        self.policy.reset()
+        self.policy.reset(keep_policy_costs)
         self._last_done = None
         self._prefill_timers = []
 

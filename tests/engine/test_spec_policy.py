@@ -446,3 +446,31 @@ def test_spec_depths_add_depths_between_for_auto() -> None:
         EngineConfig(spec_policy="always", spec_depths=[2])  # only auto chooses: refused, not ignored
     with pytest.raises(ValidationError):
         EngineConfig(spec_depths=[-1])
+
+
+def test_the_warm_up_times_each_depth_per_bucket_and_keeps_only_the_timings() -> None:
+    """`Engine.warm_up` under `auto` times depth 0 and S in each batch-size bucket it has the time for
+    (smallest first), then forgets everything but the timings: no iteration, acceptance or switch is
+    counted, pools are free; traffic in a timed bucket then never runs an explore iteration to time it,
+    and greedy output is still target-only's."""
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    want = run(tiny_engine(), prompts, greedy(24))
+    e = tiny_engine("random:2", spec_policy="auto", spec_prime_s=30.0, max_running_requests=8)
+    p = e.worker.policy  # type: ignore[attr-defined]
+    assert e.warm_up(lengths=(8, 24)) > 0
+    assert all(p.timed(b) for b in (1, 2, 4, 6, 8)), p.samples
+    assert p.cost[(4, 2)] > 0 and p.cost[(4, 0)] > 0 and p.catch_up_cost > 0
+    st = p.stats
+    assert sum(st.iterations_by_depth) == st.explore_iterations == st.switches == st.catch_ups == 0
+    assert p.acc == [0.0, 0.0] and p.acc_seen == [0, 0] and not p.current
+    assert all_free(e) and e.scheduler.num_steps == 0
+    assert run(e, prompts, greedy(24)) == want
+    assert p.stats.explore_iterations == 0  # buckets 1-4 were timed before the traffic came
+    assert sum(p.stats.iterations_by_depth) > 0
+
+
+def test_no_timing_at_warm_up_without_the_budget_or_auto() -> None:
+    for over in ({"spec_policy": "auto", "spec_prime_s": 0.0}, {"spec_policy": "always"}):
+        e = tiny_engine("random:2", **over)
+        e.warm_up(lengths=(8,))
+        assert not e.worker.policy.cost  # type: ignore[attr-defined]
