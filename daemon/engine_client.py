@@ -174,8 +174,9 @@ class EngineClient:
         self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")  # mkdtemp makes it 0700
         os.chmod(self.run_dir, 0o700)
         self.ctx = zmq.Context()
-        # Where the engine's state events go, a batch of [type, JSON] frame lists per wake-up with the
-        # engine generation's number (the relay sets it); with none set they are read and dropped.
+        # Where the engine's state events go, the messages of one wake-up (each [kinds, lines], see
+        # `split_events`) with the engine generation's number (the relay sets it); with none set they
+        # are read and dropped.
         self.on_events: Callable[[int, list[list[bytes]]], None] | None = None
         self.gen: _Gen | None = None
         self._n = 0

@@ -1,7 +1,7 @@
 """Read a plain zmq socket from the asyncio event loop, a callback per wake-up instead of a Future per message.
 
-The engine sends the daemon a message per step on its outputs socket and ~15 state events a step on its
-events socket, hundreds of steps a second. `zmq.asyncio` pays for each `recv` with a Future, an event
+The engine publishes its state events on a zmq PUB socket (its outputs travel on the engine channel,
+`engine/contract/channel.py`): a message per step or more, hundreds of steps a second. `zmq.asyncio` pays for each `recv` with a Future, an event
 registration and a poller pass, and a relay waiting with `poll(timeout)` adds a timer per step as well:
 on the dev VM that machinery cost the daemon about as much per step as streaming the step's tokens. A
 `ZmqReader` registers the socket's notification fd with `loop.add_reader` and, on each wake-up, takes
