@@ -6,8 +6,8 @@ inputs: the logits agree to float32 rounding and the argmax is identical. Throug
 speculative greedy output with graphs equals target-only greedy output (float32; also with a draft
 reading fused target features through two blocks per step, with a five-step draft whose last steps run
 earlier blocks under `auto` with a depth in between, and with the speculation policy switching depth
-every iteration), a seeded sampled request gives the same tokens alone and in a batch, and every
-pool is free afterwards.
+every iteration, and after the warm-up has timed `auto`'s depths at every batch size), a seeded
+sampled request gives the same tokens alone and in a batch, and every pool is free afterwards.
 """
 
 from __future__ import annotations
@@ -186,6 +186,22 @@ def test_overlap_scheduling_matches_and_frees() -> None:
     sps = [greedy(20 + i) for i in range(len(PROMPTS))]
     assert run(on, PROMPTS, sps) == run(off, PROMPTS, sps)
     assert all_free(on) and all_free(off)
+
+
+def test_the_warm_up_times_auto_at_every_batch_size_and_output_stays_exact() -> None:
+    """On a GPU the warm-up's timing of `auto` covers every batch-size bucket up to the running limit
+    within its default budget (graph replays take milliseconds), keeps only the timings, and the engine
+    serves target-only's greedy output afterwards with every pool free."""
+    from mleagle.engine.spec.policy import size_bucket
+
+    want = run(_engine(), PROMPTS, greedy(24))
+    e = _engine("random:3", spec_policy="auto")
+    e.warm_up(lengths=(8, 24))
+    p = e.worker.policy  # type: ignore[attr-defined]
+    assert all(p.timed(b) for b in {size_bucket(n) for n in range(1, 17)}), p.samples
+    assert sum(p.stats.iterations_by_depth) == 0 and all_free(e)
+    assert run(e, PROMPTS, greedy(24)) == want
+    assert all_free(e)
 
 
 @pytest.mark.parametrize("draft", ["none", "random:3"])
