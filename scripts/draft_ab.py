@@ -10,7 +10,12 @@ for N tokens (greedy, ignore_eos). It prints per engine the median first-token w
 request and per token after the first, the speculative iteration time and accept length, and the
 speed-up over target-only by wall per request; `--out` writes every sample as JSON.
 
+Each draft runs at its full depth every iteration (`always`), unless its entry names a policy:
+`PATH@auto` serves it as a server does (the engine's warm-up first, so the policy's timing at start-up
+runs too), and `PATH@auto=0/3/5` adds the depths `auto` chooses between (`spec_depths`).
+
     python scripts/draft_ab.py --drafts none,drafts/smollm2-135m-mtp3,OTHER --rounds 4 --out ab.json
+    python scripts/draft_ab.py --drafts none,drafts/smollm2-135m-mtp5,drafts/smollm2-135m-mtp5@auto=0/3/5
 """
 
 from __future__ import annotations
@@ -21,6 +26,20 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def build(engine_for: Any, model: str, n: int, entry: str) -> Any:
+    """The engine of one `--drafts` entry: `PATH` at its full depth every iteration (this compares
+    drafts, not the speculation policy), or `PATH@POLICY[=D/D/...]`, warmed up as a server is."""
+    path, _, spec = entry.partition("@")
+    policy, _, depths = spec.partition("=")
+    over: dict[str, Any] = {"spec_policy": policy or "always"}
+    if depths:
+        over["spec_depths"] = [int(x) for x in depths.split("/")]
+    e = engine_for(model, 1, n, 512, draft=path, **over)
+    if policy:
+        e.warm_up()
+    return e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if n < 2:
         ap.error("--max-new-tokens must be at least 2 (the first token is timed apart)")
     texts = read_first_turns(a.dataset, data_dir(None))[: a.prompts]
-    # Each draft at its full depth every iteration: this compares drafts, not the speculation policy.
-    engines = {d: engine_for(a.model, 1, n, 512, draft=d, spec_policy="always") for d in drafts}
+    engines = {d: build(engine_for, a.model, n, d) for d in drafts}
     prompts = encode_texts(next(iter(engines.values())), texts)
     samples: dict[str, list[dict[str, Any]]] = {d: [] for d in drafts}
     for e in engines.values():  # warm-up: Triton JIT, cuBLAS heuristics, graph capture

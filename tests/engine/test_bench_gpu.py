@@ -53,10 +53,10 @@ def test_draft_ab_serves_every_engine_from_one_process(tmp_path: Path) -> None:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": "y" * (15 + 5 * i)}) + "\n" for i in range(4)))
     out = tmp_path / "ab.json"
-    assert ab.main(["--model", "tiny-dummy", "--drafts", "none,random:2", "--dataset", str(data), "--prompts", "3",
-                    "--max-new-tokens", "6", "--rounds", "2", "--out", str(out)]) == 0
+    assert ab.main(["--model", "tiny-dummy", "--drafts", "none,random:2,random:3@auto=0/2/3", "--dataset", str(data),
+                    "--prompts", "3", "--max-new-tokens", "6", "--rounds", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["prompts"] == 3 and set(res["summary"]) == {"none", "random:2"}
+    assert res["prompts"] == 3 and set(res["summary"]) == {"none", "random:2", "random:3@auto=0/2/3"}
     for rows in res["samples"].values():
         assert sorted((x["round"], x["prompt"]) for x in rows) == [(r, i) for r in range(2) for i in range(3)]
         assert all(x["tokens"] == 6 for x in rows)
@@ -68,3 +68,8 @@ def test_draft_ab_serves_every_engine_from_one_process(tmp_path: Path) -> None:
     assert all(x["verifies"] >= 5 / 3 for x in res["samples"]["random:2"])
     with pytest.raises(SystemExit):
         ab.main(["--model", "tiny-dummy", "--drafts", "none", "--dataset", str(data), "--max-new-tokens", "1"])
+    from mleagle.engine.entrypoints.bench_gpu import engine_for
+
+    e = ab.build(engine_for, "tiny-dummy", 6, "random:3@auto=0/2/3")
+    p = e.worker.policy
+    assert (p.mode, p.choices, e.worker.steps) == ("auto", [0, 2, 3], 3) and p.cost  # served as a server is: warmed, timed
