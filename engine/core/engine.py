@@ -398,6 +398,11 @@ class Engine:
         if per_req > self.max_context_len:
             return False
         cap = min(self.scheduler.max_running, self.allocator.capacity_tokens // per_req)
+        # Only these timings are kept: the warm-up before met each shape for the first time (one-time
+        # costs, a CPU's first forward at a new size), on every rank alike.
+        self.worker.reset_counters()
+        if self.control is not None:
+            self.control.submit(("reset_counters",))
         v = self.arch.vocab_size
         params = SamplingParams(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()

@@ -199,6 +199,12 @@ class SpecPolicy:
             if self.samples[(b, d)] < self.min_samples:
                 self.stats.explore_iterations += 1
                 return Decision(d, "explore: not measured yet")
+        # Timed but never seen accepting (the warm-up timed this bucket on its own prompts and forgot
+        # their acceptance): with every a_j at 0 a drafting depth would look like one token an
+        # iteration, and depth 0 would win without ever measuring what drafting makes.
+        if (self.acc_c_seen if constrained else self.acc_seen)[s - 1] < self.min_samples:
+            self.stats.explore_iterations += 1
+            return Decision(s, "explore: acceptance not measured yet")
         rates = {d: self.rate(b, d, bs) for d in self.choices}
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)

@@ -459,14 +459,15 @@ def test_the_warm_up_times_each_depth_per_bucket_and_keeps_only_the_timings() ->
     p = e.worker.policy  # type: ignore[attr-defined]
     assert e.warm_up(lengths=(8, 24)) > 0
     assert all(p.timed(b) for b in (1, 2, 4, 6, 8)), p.samples
-    assert p.cost[(4, 2)] > 0 and p.cost[(4, 0)] > 0 and p.catch_up_cost > 0
+    assert p.cost[(4, 2)] > 0 and p.cost[(4, 0)] > 0
     st = p.stats
     assert sum(st.iterations_by_depth) == st.explore_iterations == st.switches == st.catch_ups == 0
     assert p.acc == [0.0, 0.0] and p.acc_seen == [0, 0] and not p.current
     assert all_free(e) and e.scheduler.num_steps == 0
     assert run(e, prompts, greedy(24)) == want
-    assert p.stats.explore_iterations == 0  # buckets 1-4 were timed before the traffic came
-    assert sum(p.stats.iterations_by_depth) > 0
+    # Buckets 1-4 were timed before the traffic came: the only measurement left is what it accepts.
+    assert 1 <= p.stats.explore_iterations <= p.min_samples  # request-iterations at depth S: one batch of 3
+    assert sum(p.stats.iterations_by_depth) > p.min_samples
 
 
 def test_no_timing_at_warm_up_without_the_budget_or_auto() -> None:
@@ -474,3 +475,23 @@ def test_no_timing_at_warm_up_without_the_budget_or_auto() -> None:
         e = tiny_engine("random:2", **over)
         e.warm_up(lengths=(8,))
         assert not e.worker.policy.cost  # type: ignore[attr-defined]
+
+
+def test_after_the_warm_up_timing_auto_measures_acceptance_before_it_trusts_the_costs() -> None:
+    """The warm-up times every depth but forgets what its own prompts accepted: the policy must then
+    run the full depth until it has seen the traffic accept (`min_samples` request-iterations), not read
+    every a_j as 0 and choose depth 0 without ever measuring what drafting makes. With an oracle draft
+    it then knows every draft is accepted."""
+    from tests.spec_helpers import oracle_engine
+
+    e = oracle_engine("random:3", spec_policy="auto", spec_prime_s=30.0, max_running_requests=4)
+    p = e.worker.policy  # type: ignore[attr-defined]
+    e.warm_up(lengths=(8,))
+    assert p.timed(1) and p.acc == [0.0, 0.0, 0.0]
+    seen: list[tuple[int, str]] = []
+    choose = p.choose
+    p.choose = lambda bs, constrained=False: (d := choose(bs, constrained), seen.append((d.depth, d.reason)))[0]
+    e.generate([[3, 4, 5, 6]], greedy(60))
+    assert seen[: p.min_samples] == [(3, "explore: acceptance not measured yet")] * p.min_samples, seen[:5]
+    assert p.stats.explore_iterations == p.min_samples  # one request: one request-iteration each
+    assert all(a > 0.9 for a in p.acc), p.acc
