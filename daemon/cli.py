@@ -40,6 +40,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "engine_ping_timeout": ("server", "engine_ping_timeout_s"),
     "events_include_text": ("server", "events_include_text"),
     "state_events": ("server", "state_events"),
+    "events_sample_ms": ("server", "events_sample_ms"),
     "spin_ms": ("server", "spin_ms"),
     "warm_up": ("server", "warm_up"),
     "device": ("engine", "device"),
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-events", action=argparse.BooleanOptionalAction, default=None,
                     help="publish the engine's state events on /v1/events for mleagle-tui (default; "
                          "--no-state-events spares the engine's loop their host time per step)")
+    ap.add_argument("--events-sample-ms", type=float, default=None,
+                    help="while no /v1/events client subscribes, the engine reports one step per this many ms "
+                         "(default 100; 0: every step)")
     ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                     help="run a few short requests of its own before reporting ready, so the first user request "
                          "meets no first-use cost (default; --no-warm-up starts a second or so sooner)")

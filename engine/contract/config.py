@@ -243,9 +243,12 @@ class ServerConfig(BaseModel):
     events_include_text: bool = False
     # The engine's state events (`/v1/events`, what `mleagle-tui` shows). Off, the engine process
     # attaches no telemetry and publishes nothing, and `/v1/events` answers 404 `state_events_off`.
-    # Their host time is 9-14 % of the engine loop at c32-c64 on an H200 (a speculative step emits ~15
-    # events); turning them off did not move throughput there (results/gpu/ttft_split/, run 4).
+    # Every step's events cost a speculative server on an H200 13-27 % of its throughput at c8-c32
+    # (results/gpu/round10/serve_matrix_ev.md), so while nobody subscribes the engine reports the whole
+    # of one step every `events_sample_ms` (0: every step) and every request's lifecycle; a subscriber
+    # gets every step.
     state_events: bool = True
+    events_sample_ms: float = Field(100.0, ge=0)
     # With a GPU engine (a CPU engine's forwards need every core, so neither spins): the engine loop
     # after its last step, and the daemon's event loop while few requests are in flight and after the
     # last one ends, keep polling this long before they sleep, so a request that follows closely (a

@@ -57,7 +57,7 @@ class Shutdown(_Msg):
 class EventDetail(_Msg):
     """Whether anyone watches the state events (a `/v1/events` subscriber): `full` publishes every
     step's events; otherwise the per-step ones (batches, pools, acceptance, the policy's decisions,
-    logprob metadata) go out for at most one step every `Telemetry.SAMPLE_EVERY_S`, which keeps the
+    logprob metadata) go out for one step every `server.events_sample_ms`, which keeps the
     daemon's snapshot current at a fraction of the cost. The engine starts without it."""
 
     type: Literal["event_detail"] = "event_detail"

@@ -281,14 +281,16 @@ class EventPump:
         self.telemetry: Any = None
         self.last_drops = 0.0
 
-    def attach(self, engine: Any, full: bool = False) -> None:
+    def attach(self, engine: Any, full: bool = False, sample_every_s: float = 0.1) -> None:
         """Attach the engine's telemetry, publishing into a new bus this pump drains; every step's
-        events only once the daemon says someone watches (`EventDetail`)."""
+        events only once the daemon says someone watches (`EventDetail`), one every `sample_every_s`
+        before."""
         from mleagle.engine.contract.event_bus import EventBus
         from mleagle.engine.service.telemetry import Telemetry
 
         self.bus = EventBus()
         self.telemetry = Telemetry.attach(engine, self.bus, full)
+        self.telemetry.sample_every_s = sample_every_s
 
     def pump(self) -> None:
         if self.bus is None:
@@ -403,7 +405,7 @@ def _main(args: argparse.Namespace) -> int:
             tok_dir = str(Path(args.run_dir) / "tokenizer")
             engine.tokenizer.save(tok_dir)
         if pump is not None:
-            pump.attach(engine)
+            pump.attach(engine, sample_every_s=cfg.server.events_sample_ms / 1e3)
         ready = Ready(
             model_name=engine.model_name,
             max_context_len=int(engine.max_context_len),

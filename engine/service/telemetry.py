@@ -11,7 +11,7 @@ acceptance, the speculation policy's decision for the iteration applied (its dep
 speculative engines only), request lifecycle and per-token logprobs), `idle` and `status` (rates,
 graphs, the policy's totals). With `full` off (the engine process starts so, and the daemon turns it on
 while a `/v1/events` subscriber watches) the per-step events (logprob metadata, batches, acceptance,
-the policy's decision, pools) describe one step every `SAMPLE_EVERY_S` and no other: building and
+the policy's decision, pools) describe one step every `sample_every_s` and no other: building and
 publishing them every step cost a speculative server 13-27 % of its throughput at concurrency 8-32 on
 an H200 (`results/gpu/round10/serve_matrix_ev.md`), for a snapshot nobody read. Request lifecycle
 events and the status events go out as always. Everything read here is a Python int, a list length or a tensor shape. Request events carry
@@ -37,12 +37,11 @@ if TYPE_CHECKING:
 
 
 class Telemetry:
-    SAMPLE_EVERY_S = 0.1  # without `full`: the per-step events of at most one step this often
-
-    def __init__(self, engine: Engine, bus: EventBus | None = None, full: bool = True):
+    def __init__(self, engine: Engine, bus: EventBus | None = None, full: bool = True, sample_every_s: float = 0.1):
         self.e = engine
         self.bus: Any = bus
         self.full = full
+        self.sample_every_s = sample_every_s  # without `full`: the per-step events of one step this often
         self.last_sample = 0.0
         self.sampled_out = 0  # steps whose per-step events were left out (not `full`)
         self.pending: StepReport | None = None  # the last step, when it was left out: reported at idle
@@ -100,7 +99,7 @@ class Telemetry:
         if self.bus is None:
             return
         self.prompt_window += report.prefill_tokens
-        if self.full or now - self.last_sample >= self.SAMPLE_EVERY_S:
+        if self.full or now - self.last_sample >= self.sample_every_s:
             self.last_sample, self.pending = now, None
             self._step_events(report)
         else:

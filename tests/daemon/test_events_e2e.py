@@ -29,8 +29,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def srv():
     # Token ids and logprobs in request events are opt-in (another user's output): this test opts in.
     # At full depth every iteration: the acceptance events this test reads come from verify steps.
+    # One sampled step a minute while nobody watches: however slow a loaded machine's steps, a request
+    # of many steps leaves some out.
     s = ServerProc("--config", "tiny-dummy", "--draft", "random:2", "--spec-policy", "always", "--max-running-requests", "8",
-                   "--events-include-text", api_key=KEY)
+                   "--events-include-text", "--events-sample-ms", "60000", api_key=KEY)
     s.wait_healthy(60)
     asyncio.run(warm_relay(s))
     yield s

@@ -369,13 +369,13 @@ def test_target_only_engine_reports_no_policy() -> None:
 
 def test_without_full_detail_only_a_sample_of_steps_is_reported_and_the_idle_state_last() -> None:
     """With `full` off (an engine process nobody watches) the per-step events describe at most one step
-    per `SAMPLE_EVERY_S`, each step whole (its batches, acceptance, decision and every pool); request
+    per `sample_every_s`, each step whole (its batches, acceptance, decision and every pool); request
     lifecycle events all still go out; `idle` reports the last step if it was left out, so the latest
     pools say free once the requests end. Turned on, every step is reported again."""
     e = tiny_engine("random:2:1", spec_policy="always")
     bus = EventBus()
     tel = Telemetry.attach(e, bus, full=False)
-    tel.SAMPLE_EVERY_S = 3600.0  # one sampled step in this test: the first
+    tel.sample_every_s = 3600.0  # one sampled step in this test: the first
     for i in range(3):
         e.add_request(f"r{i}", list(range(5 + i, 20 + i)), greedy(12))
     steps = 0
