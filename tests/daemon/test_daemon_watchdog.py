@@ -169,9 +169,11 @@ async def test_frozen_engine_is_detected_and_restarted(srv: ServerProc) -> None:
 
 async def test_zz_stream_cut_at_shutdown_timeout_gets_an_error_event(srv: ServerProc) -> None:
     async with aiohttp.ClientSession() as s:
-        first = asyncio.Event()
-        jobs = [asyncio.create_task(gen_stream(s, srv.url, 1000, first)) for _ in range(16)]
-        await asyncio.wait_for(first.wait(), 30)
+        # Every stream under way before the signal: one still on its way in would be refused at
+        # admission (a 503 before any stream, not a cut), which a loaded machine made happen.
+        firsts = [asyncio.Event() for _ in range(16)]
+        jobs = [asyncio.create_task(gen_stream(s, srv.url, 1000, f)) for f in firsts]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 30)
         srv.proc.send_signal(signal.SIGTERM)
         res = await asyncio.wait_for(asyncio.gather(*jobs), 30)
     assert srv.proc.wait(30) == 0, srv.log()
