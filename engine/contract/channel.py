@@ -49,9 +49,15 @@ class FrameBuffer:
         self.buf = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
-        if not self.buf and len(data) >= 4:  # the common case: whole frames in one read, no copy of the rest
-            mv = memoryview(data)
-            out, pos, end = [], 0, len(data)
+        # Parsed where the bytes lie: a read holding whole frames (the common case) is never copied
+        # into the buffer; only a partial frame left at its end is kept.
+        src: bytes | bytearray = data
+        if self.buf:
+            self.buf += data
+            src = self.buf
+        out: list[bytes] = []
+        pos, end = 0, len(src)
+        with memoryview(src) as mv:  # released before the buffer changes size
             while end - pos >= 4:
                 (size,) = HEADER.unpack_from(mv, pos)
                 if size > MAX_FRAME:
@@ -60,22 +66,10 @@ class FrameBuffer:
                     break
                 out.append(bytes(mv[pos + 4 : pos + 4 + size]))
                 pos += 4 + size
-            if pos < end:
-                self.buf += mv[pos:]
-            return out
-        self.buf += data
-        out = []
-        pos, end = 0, len(self.buf)
-        while end - pos >= 4:
-            (size,) = HEADER.unpack_from(self.buf, pos)
-            if size > MAX_FRAME:
-                raise ValueError(f"frame of {size} bytes: the stream is corrupt")
-            if end - pos - 4 < size:
-                break
-            out.append(bytes(self.buf[pos + 4 : pos + 4 + size]))
-            pos += 4 + size
-        if pos:
+        if src is self.buf:
             del self.buf[:pos]
+        elif pos < end:
+            self.buf = bytearray(data[pos:])
         return out
 
 

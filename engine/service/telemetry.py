@@ -111,6 +111,12 @@ class Telemetry:
         if now - self.last_status >= 1.0:
             self.status(now)
 
+    def _verify(self, report: StepReport) -> tuple[Any, Any]:
+        """The step's main forward, and the worker's last verify when that forward was one."""
+        main = report.forwards[0] if report.forwards else None
+        last = getattr(self.e.worker, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
+        return main, last
+
     def _step_events(self, report: StepReport) -> None:
         """What one step ran: its forwards' logprob metadata and batches, acceptance, the policy's
         decision, and every runner's pool."""
@@ -119,8 +125,7 @@ class Telemetry:
         duration = report.duration_s
         w = self.e.worker
         forwards = list(report.forwards)
-        main = forwards[0] if forwards else None
-        last = getattr(w, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
+        main, last = self._verify(report)
         times = last.draft_layer_s if last is not None else []
         for f in forwards:  # forwards inside a whole-iteration replay: no observer saw them
             if f.meta is not None:
@@ -157,9 +162,7 @@ class Telemetry:
     def _requests(self, outputs: list[RequestOutput], report: StepReport) -> None:
         """Request lifecycle: running, preempted, finished (with their tokens when the operator asked)."""
         s, bus = self.e.scheduler, self.bus
-        forwards = report.forwards
-        main = forwards[0] if forwards else None
-        last = getattr(self.e.worker, "last", None) if main is not None and main.mode == "TARGET_VERIFY" else None
+        main, last = self._verify(report)
         running = {r.rid for r in s.running}
         for rid in running - self.running:
             bus.emit(ev.RequestEvent(rid=rid, state="running"))
