@@ -403,3 +403,22 @@ def test_without_full_detail_only_a_sample_of_steps_is_reported_and_the_idle_sta
         e.step()
     evs = bus.drain()
     assert {x.step for x in evs if isinstance(x, BatchEvent)} == set(range(n0 + 1, e.scheduler.num_steps + 1))
+
+
+def test_the_events_cost_script_reports_both_modes(tmp_path) -> None:
+    """scripts/events_cost.py: per mode, rounds after a warm-up one, each with its steps, host time in the
+    hooks and the pump, and events per step (sampled: never more than every step's)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("events_cost", Path(__file__).parents[2] / "scripts" / "events_cost.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    out = tmp_path / "cost.json"
+    assert mod.main(["--draft", "random:2", "--requests", "2", "--tokens", "8", "--rounds", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    every, sampled = res["modes"]["every step"], res["modes"]["sampled"]
+    assert len(every) == len(sampled) == 1
+    for row in every + sampled:
+        assert row["steps"] > 0 and row["hooks_us_per_step"] > 0 and row["pump_us_per_step"] >= 0
+    assert every[0]["events_per_step"] > 0 and sampled[0]["events_per_step"] <= every[0]["events_per_step"]
