@@ -365,13 +365,17 @@ class EngineClient:
         self.error = f"the engine stopped responding: nothing received for {silent:.1f}s (ping timeout)"
         log.error("engine %d (pid %d): %s; killing it", gen.n, gen.proc.pid, self.error)
         self._set_state("dead")
+        await self._kill(gen)
+        self._ended(gen, self.error)
+
+    async def _kill(self, gen: _Gen) -> None:
+        """SIGKILL the engine process (it ends a stopped one too) and wait up to `KILL_WAIT_S` for it."""
         if gen.proc.returncode is None:
             gen.proc.kill()
         try:
             await asyncio.wait_for(asyncio.shield(gen.proc.wait()), KILL_WAIT_S)
         except asyncio.TimeoutError:
             log.error("engine pid %d did not exit %.0fs after SIGKILL; giving it up", gen.proc.pid, KILL_WAIT_S)
-        self._ended(gen, self.error)
 
     def _channel_lost(self, gen: _Gen, why: str) -> None:
         """The engine's end of the channel closed: it is exiting (or was killed). Refuse new work now, and
@@ -389,9 +393,7 @@ class EngineClient:
             await asyncio.wait_for(asyncio.shield(gen.proc.wait()), KILL_WAIT_S)
         except asyncio.TimeoutError:
             log.error("engine pid %d still runs %.0fs after closing its channel; killing it", gen.proc.pid, KILL_WAIT_S)
-            gen.proc.kill()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(gen.proc.wait()), KILL_WAIT_S)
+            await self._kill(gen)
         self._ended(gen, why if gen.proc.returncode is None else f"engine process exited with code {gen.proc.returncode}")
 
     def _fail_all(self, why: str) -> None:

@@ -289,8 +289,7 @@ class EventPump:
         from mleagle.engine.service.telemetry import Telemetry
 
         self.bus = EventBus()
-        self.telemetry = Telemetry.attach(engine, self.bus, full)
-        self.telemetry.sample_every_s = sample_every_s
+        self.telemetry = Telemetry.attach(engine, self.bus, full, sample_every_s)
 
     def pump(self) -> None:
         if self.bus is None:

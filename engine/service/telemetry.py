@@ -55,9 +55,9 @@ class Telemetry:
         self.spent_s = 0.0  # host seconds in these hooks (the engine process reports it with its loop's)
 
     @classmethod
-    def attach(cls, engine: Engine, bus: EventBus, full: bool = True) -> Telemetry:
+    def attach(cls, engine: Engine, bus: EventBus, full: bool = True, sample_every_s: float = 0.1) -> Telemetry:
         """Observe `engine`'s forwards and steps, emitting into `bus`."""
-        t = cls(engine, bus, full)
+        t = cls(engine, bus, full, sample_every_s)
         for r in engine.runners:
             r.observer = t.on_forward
         engine.observers.append(t.on_step)
