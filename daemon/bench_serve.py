@@ -274,6 +274,11 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
     return out
 
 
+def _minus(after: list[int], before: list[int]) -> list[int]:
+    """Counts per index over a run: `after` less `before` (shorter when the counter was new)."""
+    return [x - (before[i] if i < len(before) else 0) for i, x in enumerate(after)]
+
+
 def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the speculation ran over the run (a speculative server's counters before and after; None for
     target-only): its decode iterations, the share at each draft depth S' and their mean, the accept
@@ -284,8 +289,7 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     sb, sa = (before or {}).get("spec"), (after or {}).get("spec")
     if not pa or not pb or not sa or not sb:
         return None
-    n0, n1 = pb.get("iterations_by_depth") or [], pa.get("iterations_by_depth") or []
-    by_depth = [b - (n0[i] if i < len(n0) else 0) for i, b in enumerate(n1)]
+    by_depth = _minus(pa.get("iterations_by_depth") or [], pb.get("iterations_by_depth") or [])
     its = sum(by_depth)
     verify = sa.get("num_verify", 0) - sb.get("num_verify", 0)
     acc = sa.get("num_accepted_tokens", 0) - sb.get("num_accepted_tokens", 0)
@@ -298,6 +302,15 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     for k in ("switches", "explore_iterations", "catch_ups", "catch_up_positions"):
         out[k] = pa.get(k, 0) - pb.get(k, 0)
     out["catch_up_ms"] = 1e3 * (pa.get("catch_up_s", 0.0) - pb.get("catch_up_s", 0.0))
+    out["fills"] = pa.get("fills", 0) - pb.get("fills", 0)
+    out["fill_ms"] = 1e3 * (pa.get("fill_s", 0.0) - pb.get("fill_s", 0.0))
+    # Which depth each size bucket ran in this run, and what the policy believed at its end: the costs
+    # it timed per (bucket:depth), its acceptance rates and the charges for a catch-up and for the
+    # draft layers' pass over arriving prompts. These say why `auto` chose what it did.
+    b0, b1 = pb.get("iterations_by_bucket") or {}, pa.get("iterations_by_bucket") or {}
+    out["iterations_by_bucket"] = {k: _minus(v, b0.get(k) or []) for k, v in b1.items() if v != b0.get(k)}
+    out["beliefs"] = {k: pa[k] for k in ("cost_ms", "acceptance", "catch_up_cost_ms", "fill_cost_ms",
+                                         "fills_per_token") if k in pa}
     return out
 
 

@@ -10,6 +10,12 @@ for N tokens (greedy, ignore_eos). It prints per engine the median first-token w
 request and per token after the first, the speculative iteration time and accept length, and the
 speed-up over target-only by wall per request; `--out` writes every sample as JSON.
 
+`--natural-eos` stops each answer at its end of sequence instead (at most N tokens), as a user's
+request does: the tokens after an answer's end, which `ignore_eos` makes every engine generate, are
+text no draft was trained on, and they pull the accept length down. Greedy speculation is exact, so
+every engine makes the same answers; where bf16 rounding makes one end elsewhere, the speed-up by
+output tokens per second (printed beside the one by wall) still compares like with like.
+
 Each draft runs at its full depth every iteration (`always`), unless its entry names a policy:
 `PATH@auto` serves it as a server does (the engine's warm-up first, so the policy's timing at start-up
 runs too), and `PATH@auto=0/3/5` adds the depths `auto` chooses between (`spec_depths`).
@@ -50,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="the first P first turns")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--natural-eos", action="store_true",
+                    help="stop each answer at its end of sequence (default: ignore_eos, N tokens each)")
     ap.add_argument("--out", default=None, help="JSON with every sample")
     a = ap.parse_args(argv)
+    ignore = not a.natural_eos
     from mleagle.engine.contract.config import data_dir
     from mleagle.engine.entrypoints.bench import read_first_turns
     from mleagle.engine.entrypoints.bench_gpu import encode_texts, engine_for, gen_once, machine
@@ -71,35 +80,45 @@ def main(argv: list[str] | None = None) -> int:
         for d in drafts if r % 2 == 0 else drafts[::-1]:
             for i, p in enumerate(prompts):
                 first = gen_once(engines[d], [p], 1)[0]
-                wall, toks, outs = gen_once(engines[d], [p], n)
+                wall, toks, outs = gen_once(engines[d], [p], n, ignore_eos=ignore)
                 s = outs[0].spec
                 row = {"round": r, "prompt": i, "first_s": first, "wall_s": wall, "tokens": len(toks[0])}
                 if s is not None:
                     row |= {"verifies": s.num_verify, "accepted": s.num_accepted_tokens}
                 samples[d].append(row)
+    def tok_s(rows: list[dict[str, Any]]) -> float:
+        return sum(x["tokens"] for x in rows) / sum(x["wall_s"] for x in rows)
+
     base = statistics.mean(x["wall_s"] for x in samples["none"]) if "none" in samples else None
+    base_tps = tok_s(samples["none"]) if "none" in samples else None
     summary = {}
+    stop = "natural EOS" if a.natural_eos else "ignore_eos"
     print(f"{machine().get('gpu', 'cpu')}; {a.model}; {a.dataset} first {len(prompts)} first turns, batch 1, "
-          f"{n} new tokens, greedy, ignore_eos; {a.rounds} rounds, one process\n")
-    print("| engine | first token ms (median) | wall/request ms | ms/token after the first | ms/iteration | accept length | vs target-only |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"up to {n} new tokens, greedy, {stop}; {a.rounds} rounds, one process\n")
+    print("| engine | first token ms (median) | tokens/request | wall/request ms | ms/token after the first | ms/iteration | "
+          "accept length | vs target-only (wall) | vs target-only (tok/s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d, rows in samples.items():
         wall = statistics.mean(x["wall_s"] for x in rows)
         steady = statistics.mean((x["wall_s"] - x["first_s"]) / (x["tokens"] - 1) for x in rows)
-        s = {"first_token_ms": 1e3 * statistics.median(x["first_s"] for x in rows), "wall_per_request_ms": 1e3 * wall,
-             "ms_per_token_after_first": 1e3 * steady, "speedup": base / wall if base else None}
+        s = {"first_token_ms": 1e3 * statistics.median(x["first_s"] for x in rows),
+             "tokens_per_request": statistics.mean(x["tokens"] for x in rows), "wall_per_request_ms": 1e3 * wall,
+             "ms_per_token_after_first": 1e3 * steady, "speedup": base / wall if base else None,
+             "speedup_tok_s": tok_s(rows) / base_tps if base_tps else None}
         if rows[0].get("verifies"):
             v, acc = sum(x["verifies"] for x in rows), sum(x["accepted"] for x in rows)
             s["accept_len"] = (acc + v) / v
             s["ms_per_iteration"] = 1e3 * sum(x["wall_s"] - x["first_s"] for x in rows) / v  # every verify follows the first token
         summary[d] = {k: round(x, 4) if isinstance(x, float) else x for k, x in s.items()}
         f = summary[d]
-        up = f"{f['speedup']:.2f}x" if f["speedup"] else "-"
-        print(f"| {d} | {f['first_token_ms']:.2f} | {f['wall_per_request_ms']:.1f} | {f['ms_per_token_after_first']:.4f} | "
-              f"{f.get('ms_per_iteration', '-')} | {f.get('accept_len', '-')} | {up} |")
+        up = f"{f['speedup']:.3f}x" if f["speedup"] else "-"
+        up_t = f"{f['speedup_tok_s']:.3f}x" if f["speedup_tok_s"] else "-"
+        print(f"| {d} | {f['first_token_ms']:.2f} | {f['tokens_per_request']:.1f} | {f['wall_per_request_ms']:.1f} | "
+              f"{f['ms_per_token_after_first']:.4f} | {f.get('ms_per_iteration', '-')} | {f.get('accept_len', '-')} | {up} | {up_t} |")
     if a.out:
         Path(a.out).write_text(json.dumps({"machine": machine(), "model": a.model, "dataset": a.dataset,
                                            "prompts": len(prompts), "max_new_tokens": n, "rounds": a.rounds,
+                                           "ignore_eos": ignore,
                                            "summary": summary, "samples": samples}, indent=1) + "\n")
     return 0
 

@@ -97,10 +97,10 @@ def copy_bandwidth() -> float:
 
 
 # --- one configuration ------------------------------------------------------------------------------
-def gen_once(engine: Any, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]], Any]:
+def gen_once(engine: Any, prompts: list[list[int]], n: int, ignore_eos: bool = True) -> tuple[float, list[list[int]], Any]:
     from mleagle.engine.contract.sampling_params import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=ignore_eos)
     _sync()
     t0 = time.perf_counter()
     out = engine.generate(prompts, sp)
