@@ -43,6 +43,7 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         raise EngineInputError(str(err)) from err
     vocab_ids, blocks = None, 1
     aux_layers: tuple[int, ...] = ()
+    auto_depths: tuple[int, ...] | None = None
     if kind == "random":
         layers = [random_layer_weights(arch, seed, k) for k in range(s or 0)]
         darch = arch
@@ -50,7 +51,7 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         try:
             ck = load_draft(ecfg.draft, arch)
             darch, chain, layers, vocab_ids = ck.arch, ck.chain, ck.layers, ck.vocab_ids
-            blocks, aux_layers = ck.blocks, ck.aux_layers
+            blocks, aux_layers, auto_depths = ck.blocks, ck.aux_layers, ck.auto_depths
         except (FileNotFoundError, ValueError) as err:
             raise EngineInputError(str(err)) from err
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:
@@ -61,6 +62,10 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     if ecfg.spec_depths is not None and not all(0 <= d <= steps for d in ecfg.spec_depths):
         raise EngineInputError(f"--spec-depths {ecfg.spec_depths}: each must be in 0..{steps} (the draft's steps)")
+    if ecfg.spec_depths is None and auto_depths is not None and ecfg.spec_policy == "auto" and "depths" in worker_kw:
+        # The draft's own choice of depths for `auto` (its card says why); those past a shortened
+        # --spec-steps drop out, as 0 and S are always in.
+        worker_kw["depths"] = [d for d in auto_depths if d <= steps]
     tp_size = model.tp.size
     replicate = tp_size > 1 and ecfg.draft_tp == "replicate"
     if tp_size > 1 and not replicate:

@@ -9,6 +9,9 @@ holding `layers.{k}.{enorm,hnorm,eh_proj,norm}.weight`, `layers.{k}.block.<HF de
 `layers.0.aux_proj.weight` and `layers.0.anorm.{i}.weight`, and, for a reduced draft vocabulary,
 `vocab_ids` (the target ids the draft head covers, see `DraftHead`). `tied_blocks` ({"k": j}) says layer
 k runs layer j's decoder blocks: its `block*` weights are not stored, and loading copies layer j's in.
+`auto_depths` (optional, e.g. [0, 3, 5]) are the depths the `auto` policy chooses between for this
+draft when the engine names none (`spec_depths`): a deep draft whose last steps pay only at small
+batches serves best with a depth in between, and that is the draft's property, not the model's.
 Version 1 folders (one `draft.safetensors`, no `files`) and version 2 (no `blocks_per_layer`,
 `aux_layers`: one block, no fused features) load unchanged. Weights are stored in the dtype asked for (bfloat16
 for shipped drafts) and cast to the engine's at load. Import maps the common MTP namings: MiMo-style
@@ -177,6 +180,7 @@ class DraftCheckpoint:
     blocks: int = 1  # decoder blocks per draft step
     aux_layers: tuple[int, ...] = ()  # target layers whose streams layer 0 also reads
     tied: dict[int, int] = field(default_factory=dict)  # layer → the layer whose blocks it runs (copied in)
+    auto_depths: tuple[int, ...] | None = None  # the depths `auto` chooses between by default (None: 0 and S)
 
 
 def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
@@ -223,7 +227,11 @@ def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
         lack = [n for n in want if n not in w]
         if lack:
             raise ValueError(f"draft {path}: layer {k} lacks {lack} (blocks_per_layer={blocks}, aux_layers={list(aux)})")
-    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab, blocks, aux, tied)
+    depths = cfg.get("auto_depths")
+    if depths is not None and (not isinstance(depths, list) or not all(isinstance(d, int) and 0 <= d <= n for d in depths)):
+        raise ValueError(f"draft {path}: auto_depths {depths!r} must be a list of depths in 0..{n}")
+    return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab, blocks, aux, tied,
+                           tuple(depths) if depths is not None else None)
 
 
 def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:

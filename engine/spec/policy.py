@@ -4,11 +4,21 @@ Speculation pays where verifying W = S'+1 tokens per request costs little more t
 batches, a memory-bound step) and costs where the step is compute-bound (large batches, the CPU), so
 no fixed depth is right for every batch. Before each iteration the policy picks the depth with the most
 expected output tokens per second for the batch as it is: `bs · (1 + a_1 + … + a_S') / cost(bucket,
-S')`, where a_j is the rate at which the j-th draft is accepted (from the engine's own counts: an
-exponential average per request-iteration that ran depth ≥ j, about the last `1/acc_alpha` of them)
-and cost is the measured wall time of one iteration of that depth in the batch's size bucket
-(`size_bucket`): the median of its last `window` samples, so one iteration that met a stall (a page
-allocation, another process) does not move it. Depth 0 is a plain decode step (whole-iteration graph
+S')`, where a_j is the rate at which the j-th draft is accepted and cost is the measured wall time of
+one iteration of that depth in the batch's size bucket (`size_bucket`).
+- a_j is the product of conditional rates c_i = P(draft i accepted | draft i-1 accepted), i ≤ j, each
+  an exponential average (about the last `1/acc_alpha` request-iterations that reached draft i) from
+  the engine's own counts. Kept unconditional, a deep rate is measured only while the full depth runs
+  and goes stale while a shallower one does (on the H200 a 5-step draft's a_4 stayed at the 0.14 of
+  its first few iterations while a_3 rose to 0.68, and `auto` kept depth 3 where depth 5 made 4 % more);
+  conditional, it moves with the shallow rates it is built on. The full depth runs until
+  `min_evidence` request-iterations have reached its last draft, so the deepest rate rests on more
+  than a handful of them.
+- cost is the median of a depth's last `window` samples in the bucket, so one iteration that met a
+  stall (a page allocation, another process) does not move it, and never more than what the engine's
+  warm-up timed there (`reset(keep_costs=True)` keeps those as a ceiling): a served iteration's clock
+  also holds what arrivals cost the step around it, whichever depth ran, and on the H200 at 32-64
+  requests that put depth 3 of a 5-step draft above depth 5 (3.0-3.4 ms against 2.3-2.6). Depth 0 is a plain decode step (whole-iteration graph
 included), so the policy can never do worse than target-only by more than what it spends measuring:
 a bucket's depths are each tried `min_samples` times before the policy trusts them (the full depth
 first, which measures every a_j), the runner-up is tried again every `explore_every` iterations of a
@@ -27,8 +37,8 @@ makes a third of the tokens, so a deep iteration that meets three times the arri
 one (results/BENCH_POLICY.md, "The CPU at concurrency 4").
 Under a heavy arrival rate the pass costs more than drafting saves, so the batch decodes plainly and
 its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
-`auto` chooses between depth 0 and S (`choices`) unless the engine's `spec_depths` adds depths in
-between: such a depth leaves the layers past it behind, so every return to S pays a catch-up, and with
+`auto` chooses between depth 0 and S (`choices`) unless the engine's `spec_depths` (or, where the
+engine names none, the draft's own `auto_depths`) adds depths in between: such a depth leaves the layers past it behind, so every return to S pays a catch-up, and with
 a 3-step draft it never beat both ends on the machines measured (results/BENCH_POLICY.md); a deeper
 draft whose last steps pay only at small batches is where one helps. The worker runs any depth
 (`cycle` exercises them all).
@@ -103,18 +113,21 @@ class PolicyStats:
 class SpecPolicy:
     def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.01,
                  margin: float = 0.03, min_samples: int = 3, window: int = 9, horizon: int = 64,
-                 dwell: int = 16, choices: list[int] | None = None, publish: bool = False):
+                 dwell: int = 16, choices: list[int] | None = None, publish: bool = False,
+                 min_evidence: int = 16):
         if mode not in MODES:
             raise ValueError(f"spec policy {mode!r}: choose one of {', '.join(MODES)}")
         self.mode, self.steps = mode, steps
         self.explore_every, self.acc_alpha, self.margin = explore_every, acc_alpha, margin
         self.min_samples, self.window, self.horizon, self.dwell = min_samples, window, horizon, dwell
+        self.min_evidence = min_evidence
         # The depths `auto` chooses from: none and all by default (each depth in between would make the
         # layers past it fall behind and catch up on every switch; `cycle` runs every depth).
         self.choices = sorted(set(choices)) if choices is not None else sorted({0, steps})
         self._since: Counter[int] = Counter()  # bucket -> visits since its last switch
         self.publish = publish  # tensor parallelism: timings travel through the control channel
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
+        self.primed: dict[tuple[int, int], float] = {}  # what the warm-up timed: a ceiling on `cost`
         self.samples: Counter[tuple[int, int]] = Counter()
         self._recent: dict[tuple[int, int], deque[float]] = {}
         self.catch_up_cost = 0.0  # seconds per catch-up (rolling), charged to a switch up
@@ -126,12 +139,15 @@ class SpecPolicy:
         self._fill_sum = 0.0
         self._token_sum = 0.0
         self._fills = 0
-        self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted
-        self.acc_seen = [0] * steps  # request-iterations behind each a_j
+        self.acc = [0.0] * steps  # a_j: the rate at which draft j+1 is accepted (the product of `cond`)
+        self.cond = [0.0] * steps  # c_j: the rate at which draft j+1 is accepted once draft j was
+        self.acc_seen = [0] * steps  # request-iterations behind each c_j (those that reached draft j+1)
         # The same for constrained batches, which are costed apart too (their buckets are negative):
         # grammars raise acceptance and change what an iteration costs at either depth.
         self.acc_c = [0.0] * steps
+        self.cond_c = [0.0] * steps
         self.acc_c_seen = [0] * steps
+        self.full_seen = [0, 0]  # request-iterations at the full depth S (plain, constrained)
         self.current: dict[int, int] = {}  # bucket -> the depth it runs now
         self.visits: Counter[int] = Counter()
         self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
@@ -159,7 +175,13 @@ class SpecPolicy:
         draft layers' pass over the prompts that arrive while it makes its tokens."""
         t = self.tokens(depth, b < 0)
         extra = self.fill_cost * self.fills_per_token * bs * t if depth else 0.0
-        return t / (self.cost[(b, depth)] + extra)
+        return t / (self.cost_of(b, depth) + extra)
+
+    def cost_of(self, b: int, depth: int) -> float:
+        """Seconds per iteration of `depth` in bucket `b`: the served median, at most the warm-up's."""
+        c = self.cost[(b, depth)]
+        p = self.primed.get((b, depth))
+        return min(c, p) if p else c
 
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
@@ -202,7 +224,7 @@ class SpecPolicy:
         # Timed but never seen accepting (the warm-up timed this bucket on its own prompts and forgot
         # their acceptance): with every a_j at 0 a drafting depth would look like one token an
         # iteration, and depth 0 would win without ever measuring what drafting makes.
-        if (self.acc_c_seen if constrained else self.acc_seen)[s - 1] < self.min_samples:
+        if self._unmeasured(constrained):
             self.stats.explore_iterations += 1
             return Decision(s, "explore: acceptance not measured yet")
         rates = {d: self.rate(b, d, bs) for d in self.choices}
@@ -216,7 +238,7 @@ class SpecPolicy:
         # it: a batch whose size crosses buckets must not flip depth with them) pays a catch-up first:
         # worth it only if it saves more over `horizon` iterations than the catch-up costs.
         live = self.last.depth if self.last.depth in rates else cur
-        up = self.catch_up_cost / (self.horizon * self.cost[(b, best)])  # the catch-up, per iteration
+        up = self.catch_up_cost / (self.horizon * self.cost_of(b, best))  # the catch-up, per iteration
         if best > live and rates[best] < rates[live] * (1 + self.margin + up):
             best = live
         reason = "best" if best == cur else "switch"
@@ -229,11 +251,19 @@ class SpecPolicy:
         # A look deeper than the layers are current pays a whole catch-up for one iteration: only where
         # that is within the margin of the time between looks (on the H200 a served catch-up took 22-32 ms
         # on average, 8-17 iterations of a batch of 32).
-        look = second <= live or self.catch_up_cost <= self.margin * self.explore_every * self.cost[(b, best)]
+        look = second <= live or self.catch_up_cost <= self.margin * self.explore_every * self.cost_of(b, best)
         if look and self.visits[b] % self.explore_every == 0 and rates[second] * 1.25 > rates[best]:
             self.stats.explore_iterations += 1
             return Decision(second, "explore: runner-up", rates[second] / rates[0] if 0 in rates else 0.0)
         return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
+
+    def _unmeasured(self, constrained: bool) -> bool:
+        """Is the acceptance too thinly measured to choose by? Until `min_evidence` request-iterations
+        have reached the last draft, or four times as many have run the full depth (a draft whose
+        deep steps are rarely reached has shown that well enough)."""
+        full = self.full_seen[int(constrained)]
+        return full < self.min_samples or ((self.acc_c_seen if constrained else self.acc_seen)[self.steps - 1]
+                                           < self.min_evidence and full < 4 * self.min_evidence)
 
     # --- learning ------------------------------------------------------------------------------
     def note_fill(self) -> None:
@@ -269,16 +299,25 @@ class SpecPolicy:
         base = self.cost.get((b, 0))
         if seconds and base and (accepted or not depth):
             self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
+        if accepted and depth == self.steps:
+            self.full_seen[int(constrained)] += len(accepted)
         if accepted and depth:
-            acc, seen = (self.acc_c, self.acc_c_seen) if constrained else (self.acc, self.acc_seen)
-            n = len(accepted)
-            fresh = 1 - (1 - self.acc_alpha) ** n  # n request-iterations of evidence, exponentially
+            acc, cond, seen = (self.acc_c, self.cond_c, self.acc_c_seen) if constrained else \
+                (self.acc, self.cond, self.acc_seen)
             for j in range(depth):
+                n = sum(1 for a in accepted if a >= j)  # the request-iterations that reached draft j+1
+                if not n:
+                    break
                 x = sum(1 for a in accepted if a > j) / n
-                # The plain mean until there are about 1/alpha observations, then the rolling average.
-                w = max(n / (seen[j] + n), fresh)
-                acc[j] += w * (x - acc[j])
+                # The plain mean until there are about 1/alpha observations, then the rolling average
+                # (n request-iterations of evidence, exponentially).
+                w = max(n / (seen[j] + n), 1 - (1 - self.acc_alpha) ** n)
+                cond[j] += w * (x - cond[j])
                 seen[j] += n
+            r = 1.0
+            for j, c in enumerate(cond):
+                r *= c
+                acc[j] = r
         if seconds is not None and seconds > 0:
             self._report(b, depth, seconds)
 
@@ -321,12 +360,14 @@ class SpecPolicy:
         everything but the timings (`keep_costs`: what an iteration of each depth costs in each bucket,
         a catch-up and a draft fill cost the same whatever the prompts)."""
         kept = (self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost)
+        primed = {**self.primed, **self.cost}
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
                       window=self.window, horizon=self.horizon, dwell=self.dwell, choices=self.choices,
-                      publish=self.publish)
+                      publish=self.publish, min_evidence=self.min_evidence)
         if keep_costs:
             self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
+            self.primed = primed  # the warm-up's timings: a ceiling on what served iterations measure
 
     def timed(self, b: int) -> bool:
         """Every depth `auto` chooses from has been timed in bucket `b` as often as it needs."""
@@ -335,10 +376,12 @@ class SpecPolicy:
     def snapshot(self) -> dict[str, object]:
         """Host values for events and `/debug`: the mode, the last decision, the rates and costs."""
         return {
-            "mode": self.mode, "depth": self.last.depth, "reason": self.last.reason,
+            "mode": self.mode, "choices": list(self.choices), "depth": self.last.depth, "reason": self.last.reason,
             "predicted_gain": self.last.predicted_gain, "measured_gain": self.measured_gain,
-            "acceptance": list(self.acc), "acceptance_constrained": list(self.acc_c), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
+            "acceptance": list(self.acc), "acceptance_seen": list(self.acc_seen),
+            "acceptance_constrained": list(self.acc_c), "catch_up_cost_ms": round(self.catch_up_cost * 1e3, 3),
             "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_token": round(self.fills_per_token, 5),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
+            "primed_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.primed.items())},
             **{k: v for k, v in vars(self.stats).items()},
         }

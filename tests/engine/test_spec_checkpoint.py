@@ -202,3 +202,29 @@ def test_reduced_vocabulary_sampling_keeps_the_target_distribution() -> None:
     st = e.worker.stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     assert _chi2_pvalue(counts, _expected(sp)) > 1e-3
+
+
+def test_a_drafts_own_auto_depths_are_the_policys_choices_unless_the_engine_names_some(tmp_path: Path) -> None:
+    """`auto_depths` in draft_config.json are the depths `auto` chooses between for that draft; the
+    engine's `spec_depths` override them, a shortened `spec_steps` drops those past it, other policies
+    ignore them, and a malformed list is refused when the draft loads."""
+    import json
+
+    d = tmp_path / "deep"
+    save_draft(Engine(tiny_cfg(), draft="random:4:3").draft_stack, d)
+    cfg = json.loads((d / "draft_config.json").read_text())
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"auto_depths": [0, 2, 4]}))
+
+    def choices(**over: object) -> list[int]:
+        return list(Engine(tiny_cfg(), draft=str(d), **over).worker.policy.choices)  # type: ignore[attr-defined]
+
+    assert choices(spec_policy="auto") == [0, 2, 4]
+    assert choices(spec_policy="auto", spec_depths=[3]) == [0, 3, 4]
+    assert choices(spec_policy="auto", spec_steps=3) == [0, 2, 3]
+    assert choices(spec_policy="always") == [0, 4]  # unused by `always`, which runs S every iteration
+    e = Engine(tiny_cfg(), draft=str(d), spec_policy="auto")
+    want = [c.token_ids for c in Engine(tiny_cfg()).generate(PROMPTS, GREEDY)]
+    assert [c.token_ids for c in e.generate(PROMPTS, GREEDY)] == want
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"auto_depths": [0, 7]}))
+    with pytest.raises(EngineInputError, match="auto_depths"):
+        Engine(tiny_cfg(), draft=str(d), spec_policy="auto")

@@ -182,7 +182,10 @@ def test_policy_picks_the_most_tokens_per_second() -> None:
     q = SpecPolicy("auto", 3)
     _teach(q, 8, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, acc=0.0)
     assert q.choose(8).depth == 0
-    assert q.stats.iterations_by_depth == [37, 0, 0, 3]  # S measured 3 times first, then 0; nothing between
+    # S measured first, until 4 x min_evidence request-iterations have run it (no draft is ever
+    # accepted, so none reaches the last draft); then 0; nothing between.
+    full = -(-4 * q.min_evidence // 8)
+    assert q.stats.iterations_by_depth == [40 - full, 0, 0, full]
     # Intermediate depths when asked for: each measured, and with every depth costing the same and
     # every draft accepted, the deepest wins.
     m = SpecPolicy("auto", 3, choices=[0, 1, 2, 3])
@@ -466,7 +469,9 @@ def test_the_warm_up_times_each_depth_per_bucket_and_keeps_only_the_timings() ->
     assert all_free(e) and e.scheduler.num_steps == 0
     assert run(e, prompts, greedy(24)) == want
     # Buckets 1-4 were timed before the traffic came: the only measurement left is what it accepts.
-    assert 1 <= p.stats.explore_iterations <= p.min_samples  # request-iterations at depth S: one batch of 3
+    # It runs depth S until the evidence is in: a random draft never reaches its last draft, so until
+    # 4 x min_evidence request-iterations (batches of 3) have run the full depth.
+    assert 1 <= p.stats.explore_iterations <= -(-4 * p.min_evidence // len(prompts))
     assert sum(p.stats.iterations_by_depth) > p.min_samples
 
 
@@ -493,5 +498,47 @@ def test_after_the_warm_up_timing_auto_measures_acceptance_before_it_trusts_the_
     p.choose = lambda bs, constrained=False: (d := choose(bs, constrained), seen.append((d.depth, d.reason)))[0]
     e.generate([[3, 4, 5, 6]], greedy(60))
     assert seen[: p.min_samples] == [(3, "explore: acceptance not measured yet")] * p.min_samples, seen[:5]
-    assert p.stats.explore_iterations == p.min_samples  # one request: one request-iteration each
+    # One request: one request-iteration each, every one reaching the last draft (60 tokens, 4 an iteration).
+    assert p.stats.explore_iterations == min(p.min_evidence, len(seen))
     assert all(a > 0.9 for a in p.acc), p.acc
+
+
+def test_a_deep_rate_moves_with_the_shallow_rates_it_is_built_on() -> None:
+    """Acceptance is kept as conditional rates: a_j is c_1 ... c_j. A stretch at depth 3 of a 5-step
+    draft, whose traffic accepts more than before, raises a_4 and a_5 with a_3 (their conditional rates
+    unchanged), where unconditional rates measured only at depth 5 would stay where they were."""
+    p = SpecPolicy("auto", 5, choices=[0, 3, 5])
+    # Depth 5: a quarter accept no draft, the rest 2 or 5: c = 0.75, 1, 2/3, 1, 1; a_3 = a_4 = a_5 = 0.5.
+    for _ in range(200):
+        p.observe(4, 5, [0, 2, 5, 5], 1.0)
+    assert p.cond == pytest.approx([0.75, 1.0, 2 / 3, 1.0, 1.0], abs=1e-6)
+    assert p.acc == pytest.approx([0.75, 0.75, 0.5, 0.5, 0.5], abs=1e-6)
+    assert p.acc_seen == [800, 600, 600, 400, 400]  # the request-iterations that reached each draft
+    # Depth 3 on easier traffic: every draft accepted. c_1..c_3 move to 1; c_4, c_5 keep their value.
+    for _ in range(2000):
+        p.observe(4, 3, [3, 3, 3, 3], 1.0)
+    assert p.cond[:3] == pytest.approx([1.0, 1.0, 1.0], abs=1e-3) and p.cond[3:] == [1.0, 1.0]
+    assert p.acc == pytest.approx([1.0] * 5, abs=1e-3)
+
+
+def test_the_warm_up_timing_is_a_ceiling_on_what_served_iterations_measure() -> None:
+    """A served iteration's clock also holds what arrivals cost the step around it: after the warm-up's
+    timing (`reset(keep_costs=True)`), a depth costs at most what the warm-up measured, and less where
+    the served median is lower. Without the warm-up it is the served median alone."""
+    p = SpecPolicy("auto", 3)
+    for d, c in ((0, 1.0), (3, 1.2)):
+        for _ in range(p.min_samples):
+            p.observe(8, d, [1] * 8 if d else [], c)
+    p.reset(keep_costs=True)
+    assert p.primed == {(8, 0): 1.0, (8, 3): 1.2} and p.acc_seen == [0, 0, 0]
+    for _ in range(p.window):
+        p.observe(8, 3, [3] * 8, 3.0)  # served under arrivals: slower than the warm-up measured
+        p.observe(8, 0, [], 0.5)  # and faster
+    assert p.cost[(8, 3)] == 3.0 and p.cost_of(8, 3) == 1.2 and p.cost_of(8, 0) == 0.5
+    assert p.snapshot()["primed_ms"] == {"8:0": 1000.0, "8:3": 1200.0}
+    q = SpecPolicy("auto", 3)
+    for _ in range(p.min_samples):
+        q.observe(8, 3, [3] * 8, 3.0)
+    assert q.cost_of(8, 3) == 3.0
+    q.reset()
+    assert not q.primed and not q.cost
