@@ -1,6 +1,6 @@
-"""The drafts shipped for SmolLM2 (drafts/smollm2-135m-mtp3, the config's default, and the deeper
-drafts/smollm2-135m-mtp5 with tied blocks): each loads, serves exactly (greedy output equal to
-target-only in float32) and accepts far more than an untrained draft of the same shape."""
+"""The drafts shipped for SmolLM2 (drafts/smollm2-135m-mtp5, the config's default, a 5-step draft with
+tied blocks, and the older 3-layer drafts/smollm2-135m-mtp3): each loads, serves exactly (greedy output
+equal to target-only in float32) and accepts far more than an untrained draft of the same shape."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from mleagle.engine.contract.config import REPO_ROOT
 from mleagle.engine.contract.sampling_params import SamplingParams
 from tests.spec_helpers import smol
 
-SHIPPED = str(REPO_ROOT / "drafts" / "smollm2-135m-mtp3")
-DEEP = str(REPO_ROOT / "drafts" / "smollm2-135m-mtp5")
+SHIPPED = str(REPO_ROOT / "drafts" / "smollm2-135m-mtp3")  # the 3-layer draft
+DEEP = str(REPO_ROOT / "drafts" / "smollm2-135m-mtp5")  # the default
 PROMPTS = ["Write a short note to a colleague explaining why the release is delayed by a week.",
            "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
            "How many clips did Natalia sell altogether in April and May?",
@@ -42,7 +42,10 @@ def test_the_deeper_draft_serves_exactly_and_accepts_more() -> None:
     """Five steps, the last two running the blocks of steps 2 and 3 (loaded as copies): exact, and over
     the same prompts it accepts more than the 3-layer draft (2.9 against 2.6 on the H200's MT-Bench)."""
     cfg = json.loads((Path(DEEP) / "draft_config.json").read_text())
-    assert cfg["num_layers"] == 5 and cfg["tied_blocks"] == {"3": 1, "4": 2}
+    assert cfg["num_layers"] == 5 and cfg["tied_blocks"] == {"3": 1, "4": 2} and cfg["auto_depths"] == [0, 3, 5]
+    from mleagle.engine.contract.config import load_config
+
+    assert load_config("smollm2-135m").model.default_draft == "drafts/smollm2-135m-mtp5"
     ref, _ = _run("none")
     got, deep = _run(DEEP)
     _, three = _run(SHIPPED)
