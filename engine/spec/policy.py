@@ -22,8 +22,8 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
 included), so the policy can never do worse than target-only by more than what it spends measuring:
 a bucket's depths are each tried `min_samples` times before the policy trusts them (the full depth
 first, which measures every a_j), the runner-up is tried again every `explore_every` iterations of a
-bucket (costs and acceptance drift with the traffic; a deeper one only while its catch-up costs no more
-than `margin` of the time between such tries), and a new best depth must beat the current one
+bucket for `probe` iterations in a row (costs and acceptance drift with the traffic; a deeper one only
+while its catch-up costs no more than `margin` of the time between such tries), and a new best depth must beat the current one
 by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
 switch up makes the draft layers that fell behind catch up, see `SpecWorker`; its measured time is
 fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
@@ -114,13 +114,14 @@ class SpecPolicy:
     def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.01,
                  margin: float = 0.03, min_samples: int = 3, window: int = 9, horizon: int = 64,
                  dwell: int = 16, choices: list[int] | None = None, publish: bool = False,
-                 min_evidence: int = 16):
+                 min_evidence: int = 16, probe: int = 8):
         if mode not in MODES:
             raise ValueError(f"spec policy {mode!r}: choose one of {', '.join(MODES)}")
         self.mode, self.steps = mode, steps
         self.explore_every, self.acc_alpha, self.margin = explore_every, acc_alpha, margin
         self.min_samples, self.window, self.horizon, self.dwell = min_samples, window, horizon, dwell
-        self.min_evidence = min_evidence
+        self.min_evidence, self.probe = min_evidence, probe
+        self._probing: dict[int, tuple[int, int]] = {}  # bucket -> (runner-up depth, iterations left)
         # The depths `auto` chooses from: none and all by default (each depth in between would make the
         # layers past it fall behind and catch up on every switch; `cycle` runs every depth).
         self.choices = sorted(set(choices)) if choices is not None else sorted({0, steps})
@@ -228,6 +229,12 @@ class SpecPolicy:
             self.stats.explore_iterations += 1
             return Decision(s, "explore: acceptance not measured yet")
         rates = {d: self.rate(b, d, bs) for d in self.choices}
+        probing = self._probing.pop(b, None)
+        if probing is not None and probing[1] > 0:  # a look at the runner-up goes on for `probe` iterations
+            d, left = probing
+            self._probing[b] = (d, left - 1)
+            self.stats.explore_iterations += 1
+            return Decision(d, "explore: runner-up", rates[d] / rates[0] if 0 in rates else 0.0)
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)
         # A switch within the bucket needs a clear gain, and none within `dwell` visits of the last:
@@ -253,6 +260,9 @@ class SpecPolicy:
         # on average, 8-17 iterations of a batch of 32).
         look = second <= live or self.catch_up_cost <= self.margin * self.explore_every * self.cost_of(b, best)
         if look and self.visits[b] % self.explore_every == 0 and rates[second] * 1.25 > rates[best]:
+            # `probe` iterations in a row: a deeper look pays its catch-up once for all of them, and its
+            # last drafts' rates get more than the one request-iteration a batch of 1 gives per look.
+            self._probing[b] = (second, self.probe - 1)
             self.stats.explore_iterations += 1
             return Decision(second, "explore: runner-up", rates[second] / rates[0] if 0 in rates else 0.0)
         return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
@@ -364,7 +374,7 @@ class SpecPolicy:
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
                       window=self.window, horizon=self.horizon, dwell=self.dwell, choices=self.choices,
-                      publish=self.publish, min_evidence=self.min_evidence)
+                      publish=self.publish, min_evidence=self.min_evidence, probe=self.probe)
         if keep_costs:
             self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
             self.primed = primed  # the warm-up's timings: a ceiling on what served iterations measure

@@ -542,3 +542,16 @@ def test_the_warm_up_timing_is_a_ceiling_on_what_served_iterations_measure() -> 
     assert q.cost_of(8, 3) == 3.0
     q.reset()
     assert not q.primed and not q.cost
+
+
+def test_a_look_at_the_runner_up_lasts_probe_iterations() -> None:
+    """Every `explore_every` visits the runner-up runs `probe` iterations in a row (one catch-up for
+    all of them, and more than one request-iteration of evidence for its deep rates), then the best
+    depth again."""
+    p = SpecPolicy("auto", 2, explore_every=32, margin=0.05, choices=[0, 1, 2], dwell=1, probe=4)
+    _teach(p, 2, {0: 1.0, 1: 1.5, 2: 2.0}, acc=0.0)  # depth 0 best by far
+    p.acc = [0.45, 0.0]  # depth 1 a close runner-up (1.45 tokens at 1.5 times the cost)
+    reasons = [p.choose(2).reason for _ in range(64)]
+    i = reasons.index("explore: runner-up")
+    assert reasons[i : i + 4] == ["explore: runner-up"] * 4 and reasons[i + 4] != "explore: runner-up"
+    assert reasons.count("explore: runner-up") == 8  # two looks in 64 visits
