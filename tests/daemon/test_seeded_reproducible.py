@@ -1,6 +1,6 @@
 """A seeded sampled request is reproducible with the draft and the prefix cache on (issue 22, finding 3).
 
-The real server: SmolLM2 on the CPU with its shipped draft loaded (`--draft drafts/smollm2-135m-mtp3`)
+The real server: SmolLM2 on the CPU with the 3-layer trained draft loaded (`--draft drafts/smollm2-135m-mtp3`)
 and the prefix cache on. Each prompt is sent twice with the same `temperature` and `seed`: the first is
 a cache miss, the second a hit (its prefix, and so the draft layers' KV, comes from the first request).
 Before seeded requests drew their tokens from their own (seed, position) tape, rejection sampling's

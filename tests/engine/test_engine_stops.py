@@ -132,9 +132,9 @@ def test_generate_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert rc == 0 and len(out) == 2
     rows = [json.loads(x) for x in out]
     for i, r in enumerate(rows):
-        # The default config speculates with its 3-layer draft (spec stats once a request verified).
+        # The default config speculates with its 5-step draft (spec stats once a request verified).
         assert r["index"] == i and r["finish_reason"] in ("stop", "length")
-        assert r["spec"] is None or len(r["spec"]["accepted_per_depth"]) == 3
+        assert r["spec"] is None or len(r["spec"]["accepted_per_depth"]) == 5
         assert len(r["token_ids"]) == r["num_output_tokens"] == len(r["logprobs"]) <= 6
         assert all(len(lp["top"]) == 2 and isinstance(lp["token"], str) for lp in r["logprobs"])
     for argv, msg in [(["--model", "nope", "--prompt", "x"], "unknown model"),

@@ -180,7 +180,7 @@ def test_default_draft_loads_only_on_its_devices(tmp_path: Path, caplog: pytest.
     assert f"default draft {d} not loaded on cpu (it pays on: cuda); --draft {d}" in caplog.text
     assert isinstance(Engine(cfg, device="cpu", draft=str(d)).worker, SpecWorker)
     smol = load_config("smollm2-135m")
-    shipped = REPO_ROOT / "drafts" / "smollm2-135m-mtp3"
+    shipped = REPO_ROOT / "drafts" / "smollm2-135m-mtp5"
     assert resolve_draft(smol, "cuda") == resolve_draft(smol, "cpu") == (str(shipped), True)
     assert smol.engine.spec_policy == "auto"
     assert (shipped / "draft_config.json").is_file()
