@@ -97,10 +97,11 @@ MAX_SHARD_BYTES = 15 * 2**20  # + the header stays under 16 MiB (what one GPU ru
 
 
 def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = None,
-               max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+               max_shard_bytes: int = MAX_SHARD_BYTES, auto_depths: list[int] | None = None) -> list[Path]:
     """Write the stack in the own format; returns the weight files. Tensors are packed in order into
     shards of at most `max_shard_bytes` (a single larger tensor gets a shard of its own); files of an
-    earlier save in the same folder that this one does not list are removed."""
+    earlier save in the same folder that this one does not list are removed. `auto_depths`, if given,
+    goes into the config (the depths `auto` chooses between for this draft)."""
     from safetensors.torch import save_file
 
     p = Path(path)
@@ -135,6 +136,8 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
            "blocks_per_layer": stack.blocks_per_layer, "aux_layers": list(stack.aux_layers),
            "tied_blocks": {str(k): j for k, j in sorted(stack.tied.items())},
            "arch": stack.arch.model_dump(mode="json")}
+    if auto_depths is not None:
+        cfg["auto_depths"] = sorted(set(auto_depths))
     (p / "draft_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return [p / n for n in names]
 
