@@ -168,7 +168,9 @@ class Scheduler:
             batch = None if self._hold_arrivals() else self._schedule_prefill()
             if batch:
                 reqs, chunks = batch
-                results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+                # Nothing decodes behind this step: the draft layers' pass over the prompts waits for
+                # the next one, so their first tokens go out without it.
+                results = list(zip(reqs, self.worker.prefill(reqs, chunks, defer_fill=True)))
                 rep.mode, rep.forwards, rep.prefill_tokens = "EXTEND", list(self.worker.forwards), sum(chunks)
             else:
                 reqs = self._schedule_decode()

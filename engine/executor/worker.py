@@ -402,7 +402,8 @@ class TargetWorker:
         for r in new:
             r.state_slot = r.req_pool_idx
 
-    def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
+    def prefill(self, reqs: list[Req], chunks: list[int], defer_fill: bool = False) -> list[StepResult]:
+        # (`defer_fill` is the speculative worker's: its draft layers' pass may wait for the next call.)
         self.admit(reqs)
         batch = self.prefill_batch(reqs, chunks)
         out = self.target.forward(batch)

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from mleagle.engine.contract.outputs import SpecStats
-from mleagle.engine.core.request import Req
+from mleagle.engine.core.request import Req, ReqState
 from mleagle.engine.executor.extend_graph import ExtendGraphRunner
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
@@ -164,6 +164,9 @@ class SpecWorker(TargetWorker):
         self.layer_times: list[float] = []  # the last draft-extend's per-step forward times
         # Prefill spans not read yet: (timer, whether its last span is a draft prefill).
         self._prefill_timers: list[tuple[Timer, bool]] = []
+        # Prompts whose draft prefill an EXTEND step left for after its first tokens went out (`prefill`'s
+        # `defer_fill`): it runs first thing at the worker's next call.
+        self._fill_later: list[Req] = []
         self.fill_graph: FillGraph | None = None  # every draft layer's fill in one replay (`_capture_prefill`)
         self._mhidden: torch.Tensor | None = None  # a masked iteration's verify hidden states (`_masked_forward`)
         self.masked_chain: MaskedChain | None = None  # a masked drafting iteration's graphs (`_masked_pieces`)
@@ -250,7 +253,13 @@ class SpecWorker(TargetWorker):
         return None
 
     # --- prefill ------------------------------------------------------------------------------
-    def prefill(self, reqs: list[Req], chunks: list[int]) -> list[StepResult]:
+    def prefill(self, reqs: list[Req], chunks: list[int], defer_fill: bool = False) -> list[StepResult]:
+        """The target's prefill (or chunks), then the draft layers' over the prompts it completed. With
+        `defer_fill` (a step that prefills only: nothing decodes behind it) and the hidden-state pool
+        (`auto`, `cycle`), the draft layers' pass waits until the worker's next call (`_flush_fill`), so
+        the step's first tokens go out without it: on the CPU the 5-step draft's pass over a prompt
+        took about a third of a c1 request's first token."""
+        self._flush_fill()
         # The prefill's spans (the target's, then the draft layers'): the policy takes them out of the
         # interval between the iteration ends around it, which they would otherwise inflate.
         timer = Timer(self.device)
@@ -286,6 +295,8 @@ class SpecWorker(TargetWorker):
             self.policy.note_fill()
             if not pooled:
                 self._draft_prefill([reqs[i] for i in done], bonus, last_tok=True)
+            elif defer_fill and not self.policy.plain_now():  # after the first tokens are out
+                self._fill_later += [reqs[i] for i in done]
             elif not self.policy.plain_now():  # the draft layers fill the positions now, from the pool
                 t0 = time.perf_counter()
                 self.catch_up([reqs[i] for i in done], bonus, measure=False, fresh=True)
@@ -299,6 +310,26 @@ class SpecWorker(TargetWorker):
         # Read once its last mark has passed (`on_finish`): reading now would wait for the draft prefill.
         self._prefill_timers.append((timer, bool(done)))
         return results
+
+    def _flush_fill(self) -> None:
+        """The draft prefill `prefill(defer_fill=True)` left, for the prompts still running (one that
+        finished or was preempted meanwhile has nothing to fill; its `valid` says so at release). No
+        iteration has run since, so each slot's last token is still its first output. If the batch now
+        decodes without drafts, the fill is put off as a prefill's would be (a later catch-up does it)."""
+        if not self._fill_later:
+            return
+        reqs = [r for r in self._fill_later if r.state is ReqState.RUNNING and r.req_pool_idx is not None
+                and r.draft_state is not None]
+        self._fill_later = []
+        if not reqs:
+            return
+        if self.policy.plain_now():
+            for r in reqs:
+                r.draft_state.depth = 0
+            return
+        t0 = time.perf_counter()
+        self.catch_up(reqs, self.state.last_tok[self.rpi_of(reqs)], measure=False, fresh=True)
+        self.policy.observe_fill(time.perf_counter() - t0)
 
     def _draft_prefill(self, reqs: list[Req], bonus: list[int] | torch.Tensor, last_tok: bool = False) -> None:
         """Each draft runner over positions [start, kv_len) of each request (start = the cached prefix
@@ -402,6 +433,7 @@ class SpecWorker(TargetWorker):
         """The policy's depth for an iteration over `reqs`, and who must catch up before it: a request
         whose first S' layers are not current, or whose positions since its draft KV was last complete
         would overflow the hidden-state ring before the next launch."""
+        self._flush_fill()
         if self._held is not None:
             return self._held
         d = self.policy.choose(len(reqs), any(r.constraint is not None for r in reqs))
@@ -419,6 +451,7 @@ class SpecWorker(TargetWorker):
         return [r for r in reqs if r.draft_state is not None and r.draft_state.depth < depth]
 
     def launch(self, reqs: list[Req], plan: StepPlan | None = None) -> Pending:
+        self._flush_fill()
         plan = plan if plan is not None else self.plan(reqs)
         self._held = None
         catch = self._behind(reqs, plan.depth)
@@ -435,6 +468,7 @@ class SpecWorker(TargetWorker):
     def launch_split(self, reqs: list[Req], plan: StepPlan | None = None) -> SplitLaunch | None:
         """A grammar-masked iteration in two halves, at the policy's depth (none when its draft layers
         must catch up first: that reads host lengths)."""
+        self._flush_fill()
         plan = plan if plan is not None else self.plan(reqs)
         s = super().launch_split(reqs, plan)
         if s is not None:
@@ -535,7 +569,10 @@ class SpecWorker(TargetWorker):
 
     def release(self, req: Req) -> None:
         """Mark the slots whose draft KV the request completed (below its `valid`), so a request that
-        hits them in the prefix cache knows it need not catch them up; then drop its state."""
+        hits them in the prefix cache knows it need not catch them up; then drop its state (and a draft
+        prefill it left for later: a request that ended at its first token never needs one)."""
+        if self._fill_later:
+            self._fill_later = [r for r in self._fill_later if r is not req]
         ds = req.draft_state
         if self.hpool is not None and ds is not None and req.pages and ds.valid > 0:
             n = min(ds.valid, len(req.pages) * self.page_size)

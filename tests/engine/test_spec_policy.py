@@ -407,7 +407,8 @@ def test_a_put_off_draft_prefill_catches_up_through_the_prefix_cache(draft: str)
     _force_depth(w.policy, w.steps)
     before = e.scheduler.prefix_hits
     e.add_request("b", seq, greedy(4, ignore_eos=True))
-    e.step()  # its prefill past the hit, then the draft layers over all of it (the hit included)
+    e.step()  # its prefill past the hit; the draft layers' pass waits for the worker's next call
+    w._flush_fill()  # type: ignore[attr-defined]  # which runs it over all of it (the hit included)
     req = e.scheduler.reqs["b"]
     hit = e.scheduler.prefix_hits - before
     assert hit == len(prompt) + 12 - 1 - w.steps and req.draft_state.valid == req.kv_len == len(seq)
@@ -555,3 +556,32 @@ def test_a_look_at_the_runner_up_lasts_probe_iterations() -> None:
     i = reasons.index("explore: runner-up")
     assert reasons[i : i + 4] == ["explore: runner-up"] * 4 and reasons[i + 4] != "explore: runner-up"
     assert reasons.count("explore: runner-up") == 8  # two looks in 64 visits
+
+
+@pytest.mark.parametrize("policy", ["auto", "cycle"])
+def test_a_prefill_only_step_sends_its_first_tokens_before_the_draft_layers_pass(policy: str) -> None:
+    """A step that only prefills (nothing decodes behind it) returns its first tokens with the draft
+    layers' pass over the prompt still to do; the next step does it before its iteration (counted as a
+    draft fill), and greedy output is target-only's. A request that ends at its first token leaves
+    nothing to fill and the pools free. (Under the policies that keep the hidden-state pool: `always`
+    fills at once, from the prefill's own hidden states.)"""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [9, 10, 11]]
+    want = run(tiny_engine(), prompts, greedy(12))
+    e = tiny_engine("random:3", spec_policy=policy)
+    w = e.worker
+    e.add_request("a", prompts[0], greedy(12))
+    outs = e.step()
+    assert [o.rid for o in outs] == ["a"] and len(outs[0].token_ids) == 1  # the first token is out
+    req = e.scheduler.reqs["a"]
+    assert w._fill_later == [req] and req.draft_state.valid == 0 and req.draft_state.depth == 0  # type: ignore[attr-defined]
+    fills = w.policy.stats.fills  # type: ignore[attr-defined]
+    e.step()
+    assert not w._fill_later and req.draft_state.valid >= len(prompts[0])  # type: ignore[attr-defined]
+    assert w.policy.stats.fills == fills + 1  # type: ignore[attr-defined]
+    while e.has_work():
+        e.step()
+    assert run(e, prompts, greedy(12)) == want
+    e.add_request("one", prompts[1], greedy(1))
+    while e.has_work():
+        e.step()
+    assert not w._fill_later and all_free(e)  # type: ignore[attr-defined]
