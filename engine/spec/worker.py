@@ -432,7 +432,8 @@ class SpecWorker(TargetWorker):
     def plan(self, reqs: list[Req]) -> StepPlan:
         """The policy's depth for an iteration over `reqs`, and who must catch up before it: a request
         whose first S' layers are not current, or whose positions since its draft KV was last complete
-        would overflow the hidden-state ring before the next launch."""
+        would overflow the hidden-state ring before the next launch. A draft fill a prefill-only step
+        left runs first: who is behind depends on it."""
         self._flush_fill()
         if self._held is not None:
             return self._held
