@@ -440,9 +440,8 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
         + (f", time budget {budget:.0f}s" if budget else "") + f"), {a.layers} layers, depth weights {cfg.weights()}")
     res = tr.run()
     after = tr.evaluate(held) if held else None
-    # A draft trained on from one that names its `auto` depths keeps them (while they fit its layers).
-    depths = start.auto_depths if start is not None and start.auto_depths is not None \
-        and max(start.auto_depths, default=0) <= a.layers else None
+    # A draft trained on from one that names its `auto` depths keeps them (they fit: it has as many layers or more).
+    depths = start.auto_depths if start is not None else None
     files = save_draft(stack, out / "draft", torch.bfloat16 if a.save_dtype == "bfloat16" else torch.float32,
                        int(a.max_shard_mb * 2**20), auto_depths=list(depths) if depths is not None else None)
     hist = tr.state.history

@@ -62,9 +62,9 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         raise EngineInputError(f"--spec-steps {steps} exceeds the draft's {len(layers)} layers")
     if ecfg.spec_depths is not None and not all(0 <= d <= steps for d in ecfg.spec_depths):
         raise EngineInputError(f"--spec-depths {ecfg.spec_depths}: each must be in 0..{steps} (the draft's steps)")
-    if ecfg.spec_depths is None and auto_depths is not None and ecfg.spec_policy == "auto" and "depths" in worker_kw:
-        # The draft's own choice of depths for `auto` (its card says why); those past a shortened
-        # --spec-steps drop out, as 0 and S are always in.
+    if auto_depths is not None and ecfg.spec_policy == "auto" and "depths" in worker_kw and worker_kw["depths"] is None:
+        # The engine named no depths (`spec_depths`): the draft's own choice for `auto` (its card says
+        # why); those past a shortened --spec-steps drop out, as 0 and S are always in.
         worker_kw["depths"] = [d for d in auto_depths if d <= steps]
     tp_size = model.tp.size
     replicate = tp_size > 1 and ecfg.draft_tp == "replicate"

@@ -18,13 +18,14 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
   stall (a page allocation, another process) does not move it, and never more than what the engine's
   warm-up timed there (`reset(keep_costs=True)` keeps those as a ceiling): a served iteration's clock
   also holds what arrivals cost the step around it, whichever depth ran, and on the H200 at 32-64
-  requests that put depth 3 of a 5-step draft above depth 5 (3.0-3.4 ms against 2.3-2.6). Depth 0 is a plain decode step (whole-iteration graph
+  requests that put depth 3 of a 5-step draft above depth 5 (3.0-3.4 ms against 2.3-2.6).
+Depth 0 is a plain decode step (whole-iteration graph
 included), so the policy can never do worse than target-only by more than what it spends measuring:
 a bucket's depths are each tried `min_samples` times before the policy trusts them (the full depth
 first, which measures every a_j), the runner-up is tried again every `explore_every` iterations of a
 bucket for `probe` iterations in a row (costs and acceptance drift with the traffic; a deeper one only
-while its catch-up costs no more than `margin` of the time between such tries), and a new best depth must beat the current one
-by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
+while its catch-up costs no more than `margin` of the time between such tries), and a new best depth
+must beat the current one by `margin`, and a deeper one also by what its catch-up costs spread over `horizon` iterations (a
 switch up makes the draft layers that fell behind catch up, see `SpecWorker`; its measured time is
 fed back through `observe_catch_up`); after a switch a bucket keeps its depth for `dwell` iterations.
 The same charge holds when the batch moves into a bucket whose own choice is deeper than the depth
@@ -38,7 +39,8 @@ one (results/BENCH_POLICY.md, "The CPU at concurrency 4").
 Under a heavy arrival rate the pass costs more than drafting saves, so the batch decodes plainly and
 its prefills put the draft prefill off (a later catch-up does it, if drafting pays again).
 `auto` chooses between depth 0 and S (`choices`) unless the engine's `spec_depths` (or, where the
-engine names none, the draft's own `auto_depths`) adds depths in between: such a depth leaves the layers past it behind, so every return to S pays a catch-up, and with
+engine names none, the draft's own `auto_depths`) adds depths in between: such a depth leaves the
+layers past it behind, so every return to S pays a catch-up, and with
 a 3-step draft it never beat both ends on the machines measured (results/BENCH_POLICY.md); a deeper
 draft whose last steps pay only at small batches is where one helps. The worker runs any depth
 (`cycle` exercises them all).
