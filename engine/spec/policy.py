@@ -11,9 +11,10 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
   the engine's own counts. Kept unconditional, a deep rate is measured only while the full depth runs
   and goes stale while a shallower one does (on the H200 a 5-step draft's a_4 stayed at the 0.14 of
   its first few iterations while a_3 rose to 0.68, and `auto` kept depth 3 where depth 5 made 4 % more);
-  conditional, it moves with the shallow rates it is built on. The full depth runs until
-  `min_evidence` request-iterations have reached its last draft, so the deepest rate rests on more
-  than a handful of them.
+  conditional, it moves with the shallow rates it is built on. A drafting depth whose rates rest on
+  fewer than `min_evidence` request-iterations runs until they do, the deepest first, but only where
+  it could win were those thin rates 1: on a CPU, where depth 5 costs twice depth 3, measuring a_4
+  and a_5 buys nothing.
 - cost is the median of a depth's last `window` samples in the bucket, so one iteration that met a
   stall (a page allocation, another process) does not move it, and never more than what the engine's
   warm-up timed there (`reset(keep_costs=True)` keeps those as a ceiling): a served iteration's clock
@@ -150,7 +151,8 @@ class SpecPolicy:
         self.acc_c = [0.0] * steps
         self.cond_c = [0.0] * steps
         self.acc_c_seen = [0] * steps
-        self.full_seen = [0, 0]  # request-iterations at the full depth S (plain, constrained)
+        # Request-iterations run at each depth (plain, constrained): the evidence behind `_thin`.
+        self.ran = [[0] * (steps + 1) for _ in range(2)]
         self.current: dict[int, int] = {}  # bucket -> the depth it runs now
         self.visits: Counter[int] = Counter()
         self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
@@ -227,10 +229,11 @@ class SpecPolicy:
         # Timed but never seen accepting (the warm-up timed this bucket on its own prompts and forgot
         # their acceptance): with every a_j at 0 a drafting depth would look like one token an
         # iteration, and depth 0 would win without ever measuring what drafting makes.
-        if self._unmeasured(constrained):
-            self.stats.explore_iterations += 1
-            return Decision(s, "explore: acceptance not measured yet")
         rates = {d: self.rate(b, d, bs) for d in self.choices}
+        x = self._to_measure(b, bs, rates)
+        if x is not None:
+            self.stats.explore_iterations += 1
+            return Decision(x, "explore: acceptance not measured yet")
         probing = self._probing.pop(b, None)
         if probing is not None and probing[1] > 0:  # a look at the runner-up goes on for `probe` iterations
             d, left = probing
@@ -269,13 +272,36 @@ class SpecPolicy:
             return Decision(second, "explore: runner-up", rates[second] / rates[0] if 0 in rates else 0.0)
         return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
 
-    def _unmeasured(self, constrained: bool) -> bool:
-        """Is the acceptance too thinly measured to choose by? Until `min_evidence` request-iterations
-        have reached the last draft, or four times as many have run the full depth (a draft whose
-        deep steps are rarely reached has shown that well enough)."""
-        full = self.full_seen[int(constrained)]
-        return full < self.min_samples or ((self.acc_c_seen if constrained else self.acc_seen)[self.steps - 1]
-                                           < self.min_evidence and full < 4 * self.min_evidence)
+    def _to_measure(self, b: int, bs: int, rates: dict[int, float]) -> int | None:
+        """The drafting depth to run because its acceptance is too thinly measured to choose by, if
+        any: the deepest whose rates are thin (`_thin`) and that could beat every other choice in
+        bucket `b` were each conditional rate resting on fewer than `min_evidence` request-iterations
+        1. Where it could not, measuring buys nothing: on a 2-core CPU a 5-step draft's depth 5 costs
+        about twice its depth 3 at a batch of 1, so even with every draft accepted it makes fewer
+        tokens a second, and the 64 iterations it had run to measure a_4 and a_5 cost about 9 % of a
+        16-request run."""
+        con = b < 0
+        cond, seen = (self.cond_c, self.acc_c_seen) if con else (self.cond, self.acc_seen)
+        for d in sorted((d for d in self.choices if d), reverse=True):  # the deepest measures the most
+            if not self._thin(d, con):
+                continue
+            others = max((v for e, v in rates.items() if e != d), default=0.0)
+            t, r = 1.0, 1.0
+            for j in range(d):
+                r *= cond[j] if seen[j] >= self.min_evidence else 1.0
+                t += r
+            if t / (self.cost_of(b, d) + self.fill_cost * self.fills_per_token * bs * t) > others:
+                return d
+        return None
+
+    def _thin(self, depth: int, constrained: bool) -> bool:
+        """Is the acceptance up to draft `depth` too thinly measured to choose by? Until `min_samples`
+        request-iterations have run at least that deep, and `min_evidence` have reached draft `depth`,
+        or four times as many have run that deep (a draft whose deep steps are rarely reached has
+        shown that well enough)."""
+        ran = sum(self.ran[int(constrained)][depth:])
+        seen = (self.acc_c_seen if constrained else self.acc_seen)[depth - 1]
+        return ran < self.min_samples or (seen < self.min_evidence and ran < 4 * self.min_evidence)
 
     # --- learning ------------------------------------------------------------------------------
     def note_fill(self) -> None:
@@ -311,8 +337,8 @@ class SpecPolicy:
         base = self.cost.get((b, 0))
         if seconds and base and (accepted or not depth):
             self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
-        if accepted and depth == self.steps:
-            self.full_seen[int(constrained)] += len(accepted)
+        if accepted:
+            self.ran[int(constrained)][depth] += len(accepted)
         if accepted and depth:
             acc, cond, seen = (self.acc_c, self.cond_c, self.acc_c_seen) if constrained else \
                 (self.acc, self.cond, self.acc_seen)
