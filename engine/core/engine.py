@@ -322,6 +322,8 @@ class Engine:
             self.mem.reset_cache()
         elif msg[0] == "spec_warming":
             self.worker.policy.warming = msg[1]  # type: ignore[attr-defined]
+        elif msg[0] == "spec_priming":
+            self.worker.policy.priming = msg[1]  # type: ignore[attr-defined]
         elif msg[0] == "reset_counters":
             self.worker.reset_counters(*msg[1:])
         elif msg[0] == "spec_cost":  # rank 0's iteration timings: every rank's policy learns the same
@@ -385,15 +387,13 @@ class Engine:
     def _prime_policy(self, budget_s: float) -> bool:
         """Time each depth `auto` chooses from in each batch-size bucket, smallest first, within about
         `budget_s`: per bucket, that many greedy requests run until the policy has timed every depth
-        there (it explores what it has not timed, as it would under traffic), then are aborted. A
+        there `window` times (it explores what it has not timed, as it would under traffic), then are aborted. A
         bucket is not started when the one before, scaled by size, says it would overrun. Returns
         whether anything was timed (the policy then keeps its timings through the reset)."""
         policy = getattr(self.worker, "policy", None)
         if policy is None or policy.mode != "auto" or budget_s <= 0:
             return False
-        from mleagle.engine.spec.policy import size_bucket
-
-        n_new = (policy.steps + 1) * (3 * policy.min_samples + 4)  # the batch must not shrink before it is timed
+        n_new = (policy.steps + 1) * (3 * policy.window + 4)  # the batch must not shrink before it is timed
         per_req = 24 + n_new + self.worker.lookahead
         if per_req > self.max_context_len:
             return False
@@ -403,11 +403,25 @@ class Engine:
         self.worker.reset_counters()
         if self.control is not None:
             self.control.submit(("reset_counters",))
-        v = self.arch.vocab_size
         params = SamplingParams(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
-        last: tuple[int, float] | None = None
         timed: list[int] = []
+        self._priming(True)
+        try:
+            self._prime_buckets(policy, cap, params, budget_s, t0, timed)
+        finally:
+            self._priming(False)
+        log.info("speculation policy: depths %s timed at batch sizes up to %s in %.2fs (buckets %s)",
+                 policy.choices, max(timed, default=0), time.perf_counter() - t0, timed)
+        return bool(timed)
+
+    def _prime_buckets(self, policy: Any, cap: int, params: SamplingParams, budget_s: float, t0: float,
+                       timed: list[int]) -> None:
+        """`_prime_policy`'s loop over the buckets (smallest first), appending each one timed to `timed`."""
+        from mleagle.engine.spec.policy import size_bucket
+
+        v = self.arch.vocab_size
+        last: tuple[int, float] | None = None
         for b in sorted({size_bucket(n) for n in range(1, cap + 1)}):
             n = min(b, cap)
             spent = time.perf_counter() - t0
@@ -426,9 +440,12 @@ class Engine:
             if policy.timed(b):
                 timed.append(b)
             last = (n, time.perf_counter() - t1)
-        log.info("speculation policy: depths %s timed at batch sizes up to %s in %.2fs (buckets %s)",
-                 policy.choices, max(timed, default=0), time.perf_counter() - t0, timed)
-        return bool(timed)
+
+    def _priming(self, on: bool) -> None:
+        """The policy times each depth `window` times while on (on every rank alike)."""
+        self.worker.policy.priming = on  # type: ignore[attr-defined]
+        if self.control is not None:
+            self.control.submit(("spec_priming", on))
 
     def _warming(self, on: bool) -> None:
         policy = getattr(self.worker, "policy", None)

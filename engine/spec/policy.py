@@ -11,7 +11,9 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
   the engine's own counts. Kept unconditional, a deep rate is measured only while the full depth runs
   and goes stale while a shallower one does (on the H200 a 5-step draft's a_4 stayed at the 0.14 of
   its first few iterations while a_3 rose to 0.68, and `auto` kept depth 3 where depth 5 made 4 % more);
-  conditional, it moves with the shallow rates it is built on. A drafting depth whose rates rest on
+  conditional, it moves with the shallow rates it is built on. A rate the running depth does not
+  reach follows its long-run average (a tenth of the rate), not the value it had when the policy
+  left the deeper depth, which was a low (that is when it leaves). A drafting depth whose rates rest on
   fewer than `min_evidence` request-iterations runs until they do, the deepest first, but only where
   it could win were those thin rates 1: on a CPU, where depth 5 costs twice depth 3, measuring a_4
   and a_5 buys nothing.
@@ -150,6 +152,10 @@ class SpecPolicy:
         # grammars raise acceptance and change what an iteration costs at either depth.
         self.acc_c = [0.0] * steps
         self.cond_c = [0.0] * steps
+        # The long-run c_j (a tenth of `acc_alpha`): what a rate the running depth does not measure
+        # falls back to (see `observe`).
+        self.cond_slow = [0.0] * steps
+        self.cond_c_slow = [0.0] * steps
         self.acc_c_seen = [0] * steps
         # Request-iterations run at each depth (plain, constrained): the evidence behind `_thin`.
         self.ran = [[0] * (steps + 1) for _ in range(2)]
@@ -159,6 +165,11 @@ class SpecPolicy:
         self.last = Decision(steps if mode != "off" else 0, mode)
         self._cycle = 0
         self.warming = False  # the engine's warm-up: `auto` alternates its choices (see `Engine.warm_up`)
+        # The engine's timing of each bucket's depths before traffic (`Engine._prime_policy`): `window`
+        # samples each, not `min_samples`, since those timings then cap what served iterations measure
+        # (`cost_of`) and decide alone wherever arrivals make every served iteration dearer: on the H200 a
+        # median of 3 put depth 5 at 1.23x depth 3 in the bucket of 32 at one start, 1.12x at another.
+        self.priming = False
         self._unpublished: list[tuple[int, int, float]] = []
         # The last finished iteration's measured gain: its tokens per second over depth 0's measured
         # rate in its bucket (0.0 until depth 0 has been measured there).
@@ -223,7 +234,7 @@ class SpecPolicy:
         self._since[b] += 1
         # The deepest first: it measures every acceptance rate.
         for d in sorted(self.choices, key=lambda d: (d != s, d)):
-            if self.samples[(b, d)] < self.min_samples:
+            if self.samples[(b, d)] < self.needed:
                 self.stats.explore_iterations += 1
                 return Decision(d, "explore: not measured yet")
         # Timed but never seen accepting (the warm-up timed this bucket on its own prompts and forgot
@@ -340,8 +351,8 @@ class SpecPolicy:
         if accepted:
             self.ran[int(constrained)][depth] += len(accepted)
         if accepted and depth:
-            acc, cond, seen = (self.acc_c, self.cond_c, self.acc_c_seen) if constrained else \
-                (self.acc, self.cond, self.acc_seen)
+            acc, cond, slow, seen = (self.acc_c, self.cond_c, self.cond_c_slow, self.acc_c_seen) if constrained \
+                else (self.acc, self.cond, self.cond_slow, self.acc_seen)
             for j in range(depth):
                 n = sum(1 for a in accepted if a >= j)  # the request-iterations that reached draft j+1
                 if not n:
@@ -351,7 +362,14 @@ class SpecPolicy:
                 # (n request-iterations of evidence, exponentially).
                 w = max(n / (seen[j] + n), 1 - (1 - self.acc_alpha) ** n)
                 cond[j] += w * (x - cond[j])
+                w = max(n / (seen[j] + n), 1 - (1 - self.acc_alpha / 10) ** n)
+                slow[j] += w * (x - slow[j])
                 seen[j] += n
+            # A rate this depth does not measure follows its long-run value: frozen, it would keep the
+            # dip that made the policy leave the deeper depth (acceptance comes in bursts, and a switch
+            # down happens at a low), so the way back up would wait on probes. On the H200 at a batch of
+            # 1 a 5-step draft under `auto` ran depth 3 for half its iterations, 4 % slower than depth 5.
+            cond[depth:] = slow[depth:]
             r = 1.0
             for j, c in enumerate(cond):
                 r *= c
@@ -407,9 +425,14 @@ class SpecPolicy:
             self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
             self.primed = primed  # the warm-up's timings: a ceiling on what served iterations measure
 
+    @property
+    def needed(self) -> int:
+        """Timings of a (bucket, depth) before the policy trusts it: `window` while priming."""
+        return self.window if self.priming else self.min_samples
+
     def timed(self, b: int) -> bool:
         """Every depth `auto` chooses from has been timed in bucket `b` as often as it needs."""
-        return all(self.samples[(b, d)] >= self.min_samples for d in self.choices)
+        return all(self.samples[(b, d)] >= self.needed for d in self.choices)
 
     def snapshot(self) -> dict[str, object]:
         """Host values for events and `/debug`: the mode, the last decision, the rates and costs."""

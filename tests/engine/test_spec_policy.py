@@ -625,3 +625,19 @@ def test_a_depth_is_run_to_measure_its_acceptance_only_where_it_could_win() -> N
     assert run({0: 0.044, 3: 0.054, 5: 0.103}) == [0, 0, 0, 200 - n, 0, n]
     # The GPU: depth 5 is measured to the cap (1 in 8 iterations reaches draft 5), and is then the best.
     assert run({0: 1.0e-3, 3: 1.1e-3, 5: 1.2e-3})[5] >= 4 * n
+
+
+def test_a_rate_the_running_depth_does_not_reach_falls_back_to_its_long_run_value() -> None:
+    """A burst of hard tokens pulls the deep rates' rolling averages down, which is when `auto` leaves
+    the full depth; at depth 3 a_4 and a_5 are not measured, and frozen at that low they would keep it
+    there. They follow their long-run averages instead, and a_1..a_3 stay the rolling ones."""
+    p = SpecPolicy("auto", 5, choices=[0, 3, 5])
+    for _ in range(2000):  # every draft accepted: the long run
+        p.observe(1, 5, [5], 1.0)
+    for _ in range(150):  # a burst that stops at draft 3
+        p.observe(1, 5, [3], 1.0)
+    dip = list(p.cond)
+    assert dip[3] < 0.4 and p.cond_slow[3] > 0.8  # the rolling c_4 fell, the long-run one barely
+    p.observe(1, 3, [3], 1.0)
+    assert p.cond[:3] == pytest.approx(dip[:3], abs=0.02)
+    assert p.cond[3:] == p.cond_slow[3:] and p.acc[4] > 0.7
