@@ -7,10 +7,8 @@ expected output tokens per second for the batch as it is: `bs · (1 + a_1 + … 
 S')`, where a_j is the rate at which the j-th draft is accepted and cost is the measured wall time of
 one iteration of that depth in the batch's size bucket (`size_bucket`).
 - a_j is the product of conditional rates c_i = P(draft i accepted | draft i-1 accepted), i ≤ j, each
-  an exponential average (about the last `1/acc_alpha` = 500 request-iterations that reached draft
-  i) from the engine's own counts: at a batch of 1 several requests, so that the choice does not
-  chase each request's difficulty half a request late (with 100, a 5-step draft on the H200 ran depth
-  3 for half of a 16-request run, 4 % below depth 5 throughout). Kept unconditional, a deep rate is measured only while the full depth runs
+  an exponential average (about the last `1/acc_alpha` request-iterations that reached draft i) from
+  the engine's own counts. Kept unconditional, a deep rate is measured only while the full depth runs
   and goes stale while a shallower one does (on the H200 a 5-step draft's a_4 stayed at the 0.14 of
   its first few iterations while a_3 rose to 0.68, and `auto` kept depth 3 where depth 5 made 4 % more);
   conditional, it moves with the shallow rates it is built on. A rate the running depth does not
@@ -118,7 +116,7 @@ class PolicyStats:
 
 
 class SpecPolicy:
-    def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.002,
+    def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.01,
                  margin: float = 0.03, min_samples: int = 3, window: int = 9, horizon: int = 64,
                  dwell: int = 16, choices: list[int] | None = None, publish: bool = False,
                  min_evidence: int = 16, probe: int = 8):

@@ -632,9 +632,9 @@ def test_a_rate_the_running_depth_does_not_reach_falls_back_to_its_long_run_valu
     the full depth; at depth 3 a_4 and a_5 are not measured, and frozen at that low they would keep it
     there. They follow their long-run averages instead, and a_1..a_3 stay the rolling ones."""
     p = SpecPolicy("auto", 5, choices=[0, 3, 5])
-    for _ in range(6000):  # every draft accepted: the long run
+    for _ in range(2000):  # every draft accepted: the long run
         p.observe(1, 5, [5], 1.0)
-    for _ in range(600):  # a burst that stops at draft 3
+    for _ in range(150):  # a burst that stops at draft 3
         p.observe(1, 5, [3], 1.0)
     dip = list(p.cond)
     assert dip[3] < 0.4 and p.cond_slow[3] > 0.8  # the rolling c_4 fell, the long-run one barely
