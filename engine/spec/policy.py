@@ -63,7 +63,6 @@ control channel (`apply_published`) between steps. The acceptance counts are equ
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -81,6 +80,13 @@ class Decision:
     depth: int
     reason: str
     predicted_gain: float = 0.0
+
+
+def _median(q: deque[float]) -> float:
+    """`statistics.median` at a fraction of its host time (it runs once an iteration)."""
+    v = sorted(q)
+    m = len(v) // 2
+    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
 
 
 def size_bucket(bs: int) -> int:
@@ -130,6 +136,8 @@ class SpecPolicy:
         # The depths `auto` chooses from: none and all by default (each depth in between would make the
         # layers past it fall behind and catch up on every switch; `cycle` runs every depth).
         self.choices = sorted(set(choices)) if choices is not None else sorted({0, steps})
+        self._first = sorted(self.choices, key=lambda d: (d != steps, d))  # the order depths are timed in
+        self._drafting = sorted((d for d in self.choices if d), reverse=True)
         self._since: Counter[int] = Counter()  # bucket -> visits since its last switch
         self.publish = publish  # tensor parallelism: timings travel through the control channel
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
@@ -232,8 +240,7 @@ class SpecPolicy:
         b = self.key(bs, constrained)
         self.visits[b] += 1
         self._since[b] += 1
-        # The deepest first: it measures every acceptance rate.
-        for d in sorted(self.choices, key=lambda d: (d != s, d)):
+        for d in self._first:  # the deepest first: it measures every acceptance rate
             if self.samples[(b, d)] < self.needed:
                 self.stats.explore_iterations += 1
                 return Decision(d, "explore: not measured yet")
@@ -293,7 +300,7 @@ class SpecPolicy:
         16-request run."""
         con = b < 0
         cond, seen = (self.cond_c, self.acc_c_seen) if con else (self.cond, self.acc_seen)
-        for d in sorted((d for d in self.choices if d), reverse=True):  # the deepest measures the most
+        for d in self._drafting:  # the deepest first: it measures the most
             if not self._thin(d, con):
                 continue
             others = max((v for e, v in rates.items() if e != d), default=0.0)
@@ -340,24 +347,30 @@ class SpecPolicy:
         b = self.key(bs, constrained)
         self.stats.iterations_by_depth[depth] += 1
         self.stats.iterations_by_bucket.setdefault(str(b), [0] * (self.steps + 1))[depth] += 1
-        self.stats.tokens_gained += sum(accepted)
-        made = sum(a + 1 for a in accepted) if accepted else bs  # this iteration's output tokens
+        gained = sum(accepted)
+        self.stats.tokens_gained += gained
+        made = gained + len(accepted) if accepted else bs  # this iteration's output tokens
         self._fill_sum = 0.98 * self._fill_sum + 0.02 * self._fills  # about the last 50 iterations
         self._token_sum = 0.98 * self._token_sum + 0.02 * made
         self._fills = 0
         base = self.cost.get((b, 0))
         if seconds and base and (accepted or not depth):
-            self.measured_gain = (1 + sum(accepted) / max(len(accepted), 1)) * base / seconds
+            self.measured_gain = (1 + gained / max(len(accepted), 1)) * base / seconds
         if accepted:
             self.ran[int(constrained)][depth] += len(accepted)
         if accepted and depth:
             acc, cond, slow, seen = (self.acc_c, self.cond_c, self.cond_c_slow, self.acc_c_seen) if constrained \
                 else (self.acc, self.cond, self.cond_slow, self.acc_seen)
+            reach = [0] * (depth + 2)  # reach[j]: the request-iterations that reached draft j+1
+            for a in accepted:
+                reach[a] += 1
+            for j in range(depth - 1, -1, -1):
+                reach[j] += reach[j + 1]
             for j in range(depth):
-                n = sum(1 for a in accepted if a >= j)  # the request-iterations that reached draft j+1
+                n = reach[j]
                 if not n:
                     break
-                x = sum(1 for a in accepted if a > j) / n
+                x = reach[j + 1] / n
                 # The plain mean until there are about 1/alpha observations, then the rolling average
                 # (n request-iterations of evidence, exponentially).
                 w = max(n / (seen[j] + n), 1 - (1 - self.acc_alpha) ** n)
@@ -367,8 +380,9 @@ class SpecPolicy:
                 seen[j] += n
             # A rate this depth does not measure follows its long-run value: frozen, it would keep the
             # dip that made the policy leave the deeper depth (acceptance comes in bursts, and a switch
-            # down happens at a low), so the way back up would wait on probes. On the H200 at a batch of
-            # 1 a 5-step draft under `auto` ran depth 3 for half its iterations, 4 % slower than depth 5.
+            # down happens at a low), so the way back up would wait on probes. (It did not change how
+            # often a 5-step draft ran depth 3 at a batch of 1 on the H200, 45-49 % of iterations:
+            # results/gpu/round12.)
             cond[depth:] = slow[depth:]
             r = 1.0
             for j, c in enumerate(cond):
@@ -399,7 +413,7 @@ class SpecPolicy:
         key = (b, depth)
         q = self._recent.setdefault(key, deque(maxlen=self.window))
         q.append(seconds)
-        self.cost[key] = statistics.median(q)
+        self.cost[key] = _median(q)
         self.samples[key] += 1
 
     def take_published(self) -> list[tuple[int, int, float]]:
