@@ -304,6 +304,8 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     out["catch_up_ms"] = 1e3 * (pa.get("catch_up_s", 0.0) - pb.get("catch_up_s", 0.0))
     out["fills"] = pa.get("fills", 0) - pb.get("fills", 0)
     out["fill_ms"] = 1e3 * (pa.get("fill_s", 0.0) - pb.get("fill_s", 0.0))
+    calls = pa.get("choose_calls", 0) - pb.get("choose_calls", 0)  # the policy's own host time per choice
+    out["choose_us"] = round(1e6 * (pa.get("choose_s", 0.0) - pb.get("choose_s", 0.0)) / calls, 2) if calls else None
     # Which depth each size bucket ran in this run, and what the policy believed at its end: the costs
     # it timed per (bucket:depth), its acceptance rates and the charges for a catch-up and for the
     # draft layers' pass over arriving prompts. These say why `auto` chose what it did.
