@@ -33,7 +33,9 @@ def tiny_cfg(name: str = "t", *, vocab: int = 256, hidden: int = 64, layers: int
                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
                      tie_word_embeddings=tie, attention_bias=bias, rms_norm_eps=eps)
     src = ModelSource(name=name, load_format="dummy", arch=arch, dummy_seed=seed, tokenizer=tokenizer)
-    return MleagleConfig(model=src, engine=EngineConfig(max_total_tokens=2048, max_context_len=256))
+    # The CPU in float32, the reference, also on a machine with a GPU (whose bf16 would break the exact
+    # comparisons); the GPU tests ask for `device="cuda"` themselves.
+    return MleagleConfig(model=src, engine=EngineConfig(max_total_tokens=2048, max_context_len=256, device="cpu"))
 
 
 def chaos(e: Engine, qk: float = 8.0, head: float = 25.0) -> None:
