@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
              "tokens_per_request": statistics.mean(x["tokens"] for x in rows), "wall_per_request_ms": 1e3 * wall,
              "ms_per_token_after_first": 1e3 * steady, "speedup": base / wall if base else None,
              "speedup_tok_s": tok_s(rows) / base_tps if base_tps else None}
-        if rows[0].get("verifies"):
-            v, acc = sum(x["verifies"] for x in rows), sum(x["accepted"] for x in rows)
+        v = sum(x.get("verifies", 0) for x in rows)  # a request `auto` served without drafts has none
+        if v:
+            acc = sum(x.get("accepted", 0) for x in rows)
             s["accept_len"] = (acc + v) / v
             s["ms_per_iteration"] = 1e3 * sum(x["wall_s"] - x["first_s"] for x in rows) / v  # every verify follows the first token
         summary[d] = {k: round(x, 4) if isinstance(x, float) else x for k, x in s.items()}
