@@ -197,7 +197,10 @@ class SpecPolicy:
         """Expected tokens per second of depth `depth` in bucket `b` (per request of the bucket; a
         negative bucket is constrained batches') for a batch of `bs`: a drafting depth also pays the
         draft layers' pass over the prompts that arrive while it makes its tokens."""
-        t = self.tokens(depth, b < 0)
+        return self._per_second(b, depth, bs, self.tokens(depth, b < 0))
+
+    def _per_second(self, b: int, depth: int, bs: int, t: float) -> float:
+        """`rate` for `t` expected tokens per request an iteration."""
         extra = self.fill_cost * self.fills_per_token * bs * t if depth else 0.0
         return t / (self.cost_of(b, depth) + extra)
 
@@ -308,7 +311,7 @@ class SpecPolicy:
             for j in range(d):
                 r *= cond[j] if seen[j] >= self.min_evidence else 1.0
                 t += r
-            if t / (self.cost_of(b, d) + self.fill_cost * self.fills_per_token * bs * t) > others:
+            if self._per_second(b, d, bs, t) > others:
                 return d
         return None
 
