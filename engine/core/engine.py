@@ -387,9 +387,9 @@ class Engine:
     def _prime_policy(self, budget_s: float) -> bool:
         """Time each depth `auto` chooses from in each batch-size bucket, smallest first, within about
         `budget_s`: per bucket, that many greedy requests run until the policy has timed every depth
-        there `window` times (it explores what it has not timed, as it would under traffic), then are aborted. A
-        bucket is not started when the one before, scaled by size, says it would overrun. Returns
-        whether anything was timed (the policy then keeps its timings through the reset)."""
+        there `window` times (it explores what it has not timed, as it would under traffic), then are
+        aborted. A bucket is not started when the one before, scaled by size, says it would overrun.
+        Returns whether anything was timed (the policy then keeps its timings through the reset)."""
         policy = getattr(self.worker, "policy", None)
         if policy is None or policy.mode != "auto" or budget_s <= 0:
             return False
@@ -403,43 +403,38 @@ class Engine:
         self.worker.reset_counters()
         if self.control is not None:
             self.control.submit(("reset_counters",))
+        from mleagle.engine.spec.policy import size_bucket
+
+        v = self.arch.vocab_size
         params = SamplingParams(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
+        last: tuple[int, float] | None = None
         timed: list[int] = []
         self._priming(True)
         try:
-            self._prime_buckets(policy, cap, params, budget_s, t0, timed)
+            for b in sorted({size_bucket(n) for n in range(1, cap + 1)}):
+                n = min(b, cap)
+                spent = time.perf_counter() - t0
+                if last is not None and spent + last[1] * n / last[0] > budget_s:
+                    break
+                t1 = time.perf_counter()
+                rids = [f"prime-{b}-{i}" for i in range(n)]
+                for i, rid in enumerate(rids):
+                    self.add_request(rid, [(11 * i + 5 * k + 1) % v for k in range(24)], params)
+                while self.has_work() and not policy.timed(b):
+                    self.step()
+                for rid in rids:
+                    self.abort(rid)
+                while self.has_work():
+                    self.step()
+                if policy.timed(b):
+                    timed.append(b)
+                last = (n, time.perf_counter() - t1)
         finally:
             self._priming(False)
         log.info("speculation policy: depths %s timed at batch sizes up to %s in %.2fs (buckets %s)",
                  policy.choices, max(timed, default=0), time.perf_counter() - t0, timed)
         return bool(timed)
-
-    def _prime_buckets(self, policy: Any, cap: int, params: SamplingParams, budget_s: float, t0: float,
-                       timed: list[int]) -> None:
-        """`_prime_policy`'s loop over the buckets (smallest first), appending each one timed to `timed`."""
-        from mleagle.engine.spec.policy import size_bucket
-
-        v = self.arch.vocab_size
-        last: tuple[int, float] | None = None
-        for b in sorted({size_bucket(n) for n in range(1, cap + 1)}):
-            n = min(b, cap)
-            spent = time.perf_counter() - t0
-            if last is not None and spent + last[1] * n / last[0] > budget_s:
-                break
-            t1 = time.perf_counter()
-            rids = [f"prime-{b}-{i}" for i in range(n)]
-            for i, rid in enumerate(rids):
-                self.add_request(rid, [(11 * i + 5 * k + 1) % v for k in range(24)], params)
-            while self.has_work() and not policy.timed(b):
-                self.step()
-            for rid in rids:
-                self.abort(rid)
-            while self.has_work():
-                self.step()
-            if policy.timed(b):
-                timed.append(b)
-            last = (n, time.perf_counter() - t1)
 
     def _priming(self, on: bool) -> None:
         """The policy times each depth `window` times while on (on every rank alike)."""
