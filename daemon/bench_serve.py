@@ -274,7 +274,7 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
     return out
 
 
-def _minus(after: list[int], before: list[int]) -> list[int]:
+def _minus(after: list[Any], before: list[Any]) -> list[Any]:
     """Counts per index over a run: `after` less `before` (shorter when the counter was new)."""
     return [x - (before[i] if i < len(before) else 0) for i, x in enumerate(after)]
 
@@ -306,6 +306,15 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     out["fill_ms"] = 1e3 * (pa.get("fill_s", 0.0) - pb.get("fill_s", 0.0))
     calls = pa.get("choose_calls", 0) - pb.get("choose_calls", 0)  # the policy's own host time per choice
     out["choose_us"] = round(1e6 * (pa.get("choose_s", 0.0) - pb.get("choose_s", 0.0)) / calls, 2) if calls else None
+    # What each depth really made: output tokens per request-iteration and per timed millisecond (the
+    # iterations whose wall time the policy could measure): whether the depths `auto` chose paid.
+    rows = _minus(pa.get("rows_by_depth") or [], pb.get("rows_by_depth") or [])
+    made = _minus(pa.get("tokens_by_depth") or [], pb.get("tokens_by_depth") or [])
+    secs = _minus(pa.get("seconds_by_depth") or [], pb.get("seconds_by_depth") or [])
+    timed = _minus(pa.get("timed_by_depth") or [], pb.get("timed_by_depth") or [])
+    out["by_depth"] = {str(d): {"rows": rows[d], "tokens_per_row": round(made[d] / rows[d], 4),
+                                "ms_per_iteration": round(1e3 * secs[d] / timed[d], 4) if timed[d] else None}
+                       for d in range(min(len(rows), len(made), len(secs), len(timed))) if rows[d]}
     # Which depth each size bucket ran in this run, and what the policy believed at its end: the costs
     # it timed per (bucket:depth), its acceptance rates and the charges for a catch-up and for the
     # draft layers' pass over arriving prompts. These say why `auto` chose what it did.
@@ -486,6 +495,11 @@ def table(res: dict[str, Any]) -> str:
             lines.append(f"{'speculation':<28}{sp['iterations']} iterations by depth {mix}, mean depth "
                          f"{sp['mean_depth']:.2f}{acc}; {sp['switches']} switches, {sp['explore_iterations']} "
                          f"explored, {sp['catch_ups']} catch-ups ({sp['catch_up_ms']:.1f} ms)")
+            made = "; ".join(f"depth {d}: {v['tokens_per_row']:.2f} tokens a request-iteration"
+                             + (f", {v['ms_per_iteration']:.3f} ms an iteration" if v["ms_per_iteration"] else "")
+                             for d, v in (sp.get("by_depth") or {}).items())
+            if made:
+                lines.append(f"{'  made by depth':<28}{made}")
         ph = srv.get("ttft_phases")
         if ph:
             lines.append(f"TTFT split in the server, ms ({ph['requests']} requests){'mean':>10}{'p50':>10}{'p90':>10}"

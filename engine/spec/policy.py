@@ -119,6 +119,12 @@ class PolicyStats:
     fill_max_s: float = 0.0
     choose_s: float = 0.0  # host time spent choosing
     choose_calls: int = 0
+    # Per depth: request-iterations, the output tokens they made, and the wall time of the iterations
+    # that were timed (and how many): what each depth really made a second, against what it was chosen on.
+    rows_by_depth: list[int] = field(default_factory=list)
+    tokens_by_depth: list[int] = field(default_factory=list)
+    seconds_by_depth: list[float] = field(default_factory=list)
+    timed_by_depth: list[int] = field(default_factory=list)
 
 
 class SpecPolicy:
@@ -169,7 +175,9 @@ class SpecPolicy:
         self.ran = [[0] * (steps + 1) for _ in range(2)]
         self.current: dict[int, int] = {}  # bucket -> the depth it runs now
         self.visits: Counter[int] = Counter()
-        self.stats = PolicyStats(iterations_by_depth=[0] * (steps + 1))
+        n = steps + 1
+        self.stats = PolicyStats(iterations_by_depth=[0] * n, rows_by_depth=[0] * n, tokens_by_depth=[0] * n,
+                                 seconds_by_depth=[0.0] * n, timed_by_depth=[0] * n)
         self.last = Decision(steps if mode != "off" else 0, mode)
         self._cycle = 0
         self.warming = False  # the engine's warm-up: `auto` alternates its choices (see `Engine.warm_up`)
@@ -353,6 +361,12 @@ class SpecPolicy:
         gained = sum(accepted)
         self.stats.tokens_gained += gained
         made = gained + len(accepted) if accepted else bs  # this iteration's output tokens
+        st = self.stats
+        st.rows_by_depth[depth] += len(accepted) if accepted else bs
+        st.tokens_by_depth[depth] += made
+        if seconds:
+            st.seconds_by_depth[depth] += seconds
+            st.timed_by_depth[depth] += 1
         self._fill_sum = 0.98 * self._fill_sum + 0.02 * self._fills  # about the last 50 iterations
         self._token_sum = 0.98 * self._token_sum + 0.02 * made
         self._fills = 0

@@ -73,3 +73,28 @@ def test_draft_ab_serves_every_engine_from_one_process(tmp_path: Path) -> None:
     e = ab.build(engine_for, "tiny-dummy", 6, "random:3@auto=0/2/3")
     p = e.worker.policy
     assert (p.mode, p.choices, e.worker.steps) == ("auto", [0, 2, 3], 3) and p.cost  # served as a server is: warmed, timed
+
+
+def test_policy_replay_serves_a_recorded_answer_at_each_depth() -> None:
+    """scripts/policy_replay.py: a shallower depth stops inside a recorded chain and goes on from there
+    with what the bounds allow; fixed depths are timed by the given costs, and `auto` runs the real
+    policy over the same positions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("policy_replay", Path(__file__).parents[2] / "scripts" / "policy_replay.py")
+    pr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pr)
+    # 11 tokens: the first from the prefill, then iterations accepting 3, 0, 2 and 1 drafts.
+    trace = {"steps": 3, "requests": [{"tokens": 11, "accepted": [3, 0, 2, 1]}] * 4}
+    req = trace["requests"][0]
+    assert pr.potentials(req, 3, high=False)[:9] == [3, 2, 1, 0, 0, 2, 1, 0, 1]
+    assert pr.potentials(req, 3, high=True)[:9] == [3, 3, 2, 1, 0, 2, 3, 2, 1]
+    cost = {0: 0.5, 1: 1.0, 3: 2.0}
+    full = pr.replay(trace, cost, 0.5, 3, high=False)
+    assert full["tok_s"] == pytest.approx(10 / 0.008) and full["depth_share"] == [0.0, 0.0, 0.0, 1.0]
+    one = pr.replay(trace, cost, 0.5, 1, high=False)
+    assert one["tok_s"] == pytest.approx(10 / 0.006)  # 6 iterations of 1 ms make the same 10 tokens
+    plain = pr.replay(trace, cost, 0.5, 0, high=True)
+    assert plain["tok_s"] == pytest.approx(1 / 0.0005)  # one token every 0.5 ms
+    auto = pr.replay(trace, cost, 0.5, None, high=True)
+    assert sum(auto["depth_share"]) == pytest.approx(1.0, abs=0.01) and auto["tok_s"] > 0

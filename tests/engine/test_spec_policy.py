@@ -186,6 +186,14 @@ def test_policy_picks_the_most_tokens_per_second() -> None:
     # 24 request-iterations behind a_1 = 0: S could not win even were a_2 and a_3 1, so no more run to
     # measure them.
     assert q.stats.iterations_by_depth == [40 - q.min_samples, 0, 0, q.min_samples]
+    # What each depth made, counted per request-iteration and per timed second (benchmarks print it
+    # beside the choice): one token each, depth 3's iterations at 4 s, depth 0's at 1 s.
+    st = q.stats
+    assert st.rows_by_depth == [8 * (40 - q.min_samples), 0, 0, 8 * q.min_samples] == st.tokens_by_depth
+    assert st.seconds_by_depth == [40.0 - q.min_samples, 0.0, 0.0, 4.0 * q.min_samples]
+    assert st.timed_by_depth == st.iterations_by_depth
+    # Full acceptance at depth 3: four tokens a request-iteration.
+    assert p.stats.tokens_by_depth[3] == 4 * p.stats.rows_by_depth[3] > 0
     # Intermediate depths when asked for: each measured, and with every depth costing the same and
     # every draft accepted, the deepest wins.
     m = SpecPolicy("auto", 3, choices=[0, 1, 2, 3])
