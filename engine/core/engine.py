@@ -49,7 +49,7 @@ from mleagle.engine.errors import EngineInputError
 from mleagle.engine.executor.runner import ModelRunner, build_runner, rank_heads
 from mleagle.engine.executor.worker import GraphSettings, TargetWorker
 from mleagle.engine.kernels import set_fused_layers
-from mleagle.engine.layers.linear import tp_shape_errors
+from mleagle.engine.layers.linear import PACKED, PACKED_AVAILABLE, tp_shape_errors
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
@@ -174,6 +174,7 @@ class Engine:
         e = cfg.engine
         if e.threads:
             torch.set_num_threads(e.threads)
+        PACKED["on"] = e.cpu_packed_linear and PACKED_AVAILABLE  # the CPU's float32 GEMMs (layers/linear.py)
         try:
             self.attention_backend = resolve_backend(e.attention_backend, e.device)
             if self.attention_backend == "flashinfer":

@@ -21,29 +21,51 @@ from torch import nn
 from mleagle.engine.distributed import TPGroup, current
 
 SKINNY_MIN_ROWS = {torch.float32: 1}  # other dtypes: 8
+# float32 on CPU from this many rows: oneDNN's product with the weight kept a second time in its packed
+# layout (`packed`); one and two rows stay with (W @ x^T)^T, the faster there.
+PACKED_MIN_ROWS = 3
+PACKED_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# Whether the packed form is used (each engine sets it from `EngineConfig.cpu_packed_linear`).
+PACKED = {"on": PACKED_AVAILABLE}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but on CPU with few rows (1..64 in float32, 8..64 otherwise) computed as (W @ x^T)^T.
+    """F.linear, except on CPU: float32 with 3 rows or more through oneDNN's packed weights (`packed`),
+    and with few rows (1..2 in float32, 8..64 otherwise) as (W @ x^T)^T.
 
-    Measured with MKL (torch 2.13) over SmolLM2's 30 layers and 49152×576 head, weights not in cache
-    (`scripts/bench_cpu_linear.py`; results/cpu_linear/linear_*, results/BENCH_CPU.md):
+    Measured over SmolLM2's 30 layers and 49152×576 head, weights not in cache, two threads on the
+    2-core development box (`scripts/bench_cpu_linear.py`; results/BENCH_CPU.md, "Packed weights"):
 
-    - float32, one thread, 2 to 4 rows: the whole model's GEMMs take 30 ms against 76 ms at 2 rows and
-      45 against 61 at 4.
+    - float32, the whole model's GEMMs in ms, (W @ x^T)^T against packed: 1 row 19.5 / 21, 2 rows
+      17.7 / 24.8, 3 rows 25 / 18.2, 4 rows 24.9 / 17.1, 6 rows 39.9 / 16.9, 8 rows 41.4 / 22, 16 rows
+      60 / 29.3, 32 rows 94.7 / 49.6; F.linear against packed at 64 rows 141 / 90, at 512 rows 901 / 734.
+      A verify of S'+1 rows per request and every prefill gain the most.
     - One row through F.linear takes MKL's matrix-vector path, which streams the weight at about half
-      the speed of the two-row product. So one row goes in twice: 30 ms against 41 ms.
-    - float32, two threads: the left-operand form is 1.6x faster at one row, 2.1-4.5x at 2-4 rows, and
-      level by 64; F.linear with a few rows gains nothing from the second thread. With one thread F.linear
-      is the faster from 6 rows up (up to 1.7x, at 12 rows). One rule for both: torch's default is one
-      thread per core.
+      the speed of the two-row product. So one row goes in twice.
     - bfloat16: F.linear is faster below 8 rows (two threads: 25 ms against 34 ms at 4 rows), and the
       two are level from 8 to 64.
     """
-    if x.dim() == 2 and x.device.type == "cpu" and SKINNY_MIN_ROWS.get(x.dtype, 8) <= x.shape[0] <= 64:
-        y = left_operand(x, w)
-        return y + b if b is not None else y
+    if x.dim() == 2 and x.device.type == "cpu":
+        m = x.shape[0]
+        if x.dtype == torch.float32 and m >= PACKED_MIN_ROWS and PACKED["on"] and not (
+                torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w), b, "none", [], "")
+        if SKINNY_MIN_ROWS.get(x.dtype, 8) <= m <= 64:
+            y = left_operand(x, w)
+            return y + b if b is not None else y
     return F.linear(x, w, b)
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """`w` in oneDNN's packed layout, made on first use and kept on the tensor (made again if `w` was
+    written since: its version counter moved). The weight is then held twice; the plain copy serves
+    one and two rows, the embedding a tied head shares, training and checkpoints."""
+    hit = getattr(w, "_mleagle_packed", None)
+    if hit is not None and hit[0] == w._version:
+        return hit[1]
+    p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
+    w._mleagle_packed = (w._version, p)  # type: ignore[attr-defined]
+    return p
 
 
 def left_operand(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
