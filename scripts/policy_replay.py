@@ -18,7 +18,10 @@ starts at position p accepts min(d, what the recording allows from p): at a reco
 its accepted count; between two recorded starts (a shallower depth stopped inside a recorded chain)
 two bounds, `low` (the draft is right up to the next recorded start and wrong there, as the recording
 was) and `high` (right there too, and on along the next recorded chain). A switch to a deeper depth
-than the draft layers are current to pays `--catch-up` ms, as the engine's catch-up does.
+than the draft layers are current to pays `--catch-up` ms, as the engine's catch-up does. The bounds
+are wide (a few percent either side of a fixed depth); served on the H200, the depth-3 iterations of
+`auto` made about 11 % fewer tokens a millisecond than its depth-5 ones, near the `low` bound
+(results/gpu/round13, results/policy_replay).
 
     python scripts/policy_replay.py record --draft drafts/smollm2-135m-mtp5 --prompts 16 --out trace.json
     python scripts/policy_replay.py replay trace.json --cost 0=0.92,3=1.07,5=1.19 --catch-up 0.7 \\

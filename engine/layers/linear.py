@@ -31,15 +31,17 @@ PACKED = {"on": PACKED_AVAILABLE}
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except on CPU: float32 with 3 rows or more through oneDNN's packed weights (`packed`),
-    and with few rows (1..2 in float32, 8..64 otherwise) as (W @ x^T)^T.
+    and otherwise with few rows (1..64 in float32, 8..64 in other dtypes) as (W @ x^T)^T.
 
     Measured over SmolLM2's 30 layers and 49152×576 head, weights not in cache, two threads on the
-    2-core development box (`scripts/bench_cpu_linear.py`; results/BENCH_CPU.md, "Packed weights"):
+    2-core development box (`scripts/bench_cpu_linear.py`; results/cpu_linear/packed_2threads.*,
+    results/BENCH_CPU.md, "Packed weights"):
 
-    - float32, the whole model's GEMMs in ms, (W @ x^T)^T against packed: 1 row 19.5 / 21, 2 rows
-      17.7 / 24.8, 3 rows 25 / 18.2, 4 rows 24.9 / 17.1, 6 rows 39.9 / 16.9, 8 rows 41.4 / 22, 16 rows
-      60 / 29.3, 32 rows 94.7 / 49.6; F.linear against packed at 64 rows 141 / 90, at 512 rows 901 / 734.
-      A verify of S'+1 rows per request and every prefill gain the most.
+    - float32, the whole model's GEMMs in ms, (W @ x^T)^T against packed: 3 rows 34.7 / 19.5, 4 rows
+      35.8 / 23.6, 6 rows 39.3 / 16.6, 8 rows 44.3 / 21.7, 16 rows 65.9 / 29.3, 32 rows 94.3 / 50.2,
+      64 rows 138 / 97; F.linear against packed at 128 rows 285 / 171, at 512 rows 877 / 683. At 1-2
+      rows the two are level (28-33 ms in that run; (W @ x^T)^T was the faster in others), so one and
+      two rows keep it. A verify of S'+1 rows per request and every prefill gain the most.
     - One row through F.linear takes MKL's matrix-vector path, which streams the weight at about half
       the speed of the two-row product. So one row goes in twice.
     - bfloat16: F.linear is faster below 8 rows (two threads: 25 ms against 34 ms at 4 rows), and the
