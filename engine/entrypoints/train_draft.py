@@ -442,8 +442,10 @@ def phase_train(a: argparse.Namespace, model: Any, eos: list[int], deadline: flo
     after = tr.evaluate(held) if held else None
     # A draft trained on from one that names its `auto` depths keeps them (they fit: it has as many layers or more).
     depths = start.auto_depths if start is not None else None
+    by_device = {k: list(v) for k, v in start.auto_depths_by_device.items()} if start is not None else None
     files = save_draft(stack, out / "draft", torch.bfloat16 if a.save_dtype == "bfloat16" else torch.float32,
-                       int(a.max_shard_mb * 2**20), auto_depths=list(depths) if depths is not None else None)
+                       int(a.max_shard_mb * 2**20), auto_depths=list(depths) if depths is not None else None,
+                       auto_depths_by_device=by_device)
     hist = tr.state.history
     summary = {"result": res, "config": {k: v for k, v in vars(cfg).items() if k != "log_every_s"},
                "hidden_rms": rms, "train_seqs": len(train_s), "train_tokens": n_tok, "heldout_seqs": len(held),

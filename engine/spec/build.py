@@ -51,7 +51,7 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         try:
             ck = load_draft(ecfg.draft, arch)
             darch, chain, layers, vocab_ids = ck.arch, ck.chain, ck.layers, ck.vocab_ids
-            blocks, aux_layers, auto_depths = ck.blocks, ck.aux_layers, ck.auto_depths
+            blocks, aux_layers, auto_depths = ck.blocks, ck.aux_layers, ck.depths_for(device.type)
         except (FileNotFoundError, ValueError) as err:
             raise EngineInputError(str(err)) from err
         if darch.hidden_size != arch.hidden_size or darch.vocab_size != arch.vocab_size:

@@ -12,6 +12,8 @@ k runs layer j's decoder blocks: its `block*` weights are not stored, and loadin
 `auto_depths` (optional, e.g. [0, 3, 5]) are the depths the `auto` policy chooses between for this
 draft when the engine names none (`spec_depths`): a deep draft whose last steps pay only at small
 batches serves best with a depth in between, and that is the draft's property, not the model's.
+`auto_depths_by_device` (optional, e.g. {"cuda": [0, 5]}) replaces that list on one device type, where
+a depth in between pays on one machine and not on another.
 Version 1 folders (one `draft.safetensors`, no `files`) and version 2 (no `blocks_per_layer`,
 `aux_layers`: one block, no fused features) load unchanged. Weights are stored in the dtype asked for (bfloat16
 for shipped drafts) and cast to the engine's at load. Import maps the common MTP namings: MiMo-style
@@ -97,11 +99,13 @@ MAX_SHARD_BYTES = 15 * 2**20  # + the header stays under 16 MiB (what one GPU ru
 
 
 def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = None,
-               max_shard_bytes: int = MAX_SHARD_BYTES, auto_depths: list[int] | None = None) -> list[Path]:
+               max_shard_bytes: int = MAX_SHARD_BYTES, auto_depths: list[int] | None = None,
+               auto_depths_by_device: dict[str, list[int]] | None = None) -> list[Path]:
     """Write the stack in the own format; returns the weight files. Tensors are packed in order into
     shards of at most `max_shard_bytes` (a single larger tensor gets a shard of its own); files of an
     earlier save in the same folder that this one does not list are removed. `auto_depths`, if given,
-    goes into the config (the depths `auto` chooses between for this draft)."""
+    goes into the config (the depths `auto` chooses between for this draft), and `auto_depths_by_device`
+(the same per device type, where it differs)."""
     from safetensors.torch import save_file
 
     p = Path(path)
@@ -138,6 +142,8 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
            "arch": stack.arch.model_dump(mode="json")}
     if auto_depths is not None:
         cfg["auto_depths"] = sorted(set(auto_depths))
+    if auto_depths_by_device:
+        cfg["auto_depths_by_device"] = {k: sorted(set(v)) for k, v in sorted(auto_depths_by_device.items())}
     (p / "draft_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return [p / n for n in names]
 
@@ -184,6 +190,11 @@ class DraftCheckpoint:
     aux_layers: tuple[int, ...] = ()  # target layers whose streams layer 0 also reads
     tied: dict[int, int] = field(default_factory=dict)  # layer → the layer whose blocks it runs (copied in)
     auto_depths: tuple[int, ...] | None = None  # the depths `auto` chooses between by default (None: 0 and S)
+    auto_depths_by_device: dict[str, tuple[int, ...]] = field(default_factory=dict)  # device type -> its own
+
+    def depths_for(self, device: str) -> tuple[int, ...] | None:
+        """The depths `auto` chooses between on `device` (a device type: "cuda", "cpu")."""
+        return self.auto_depths_by_device.get(device, self.auto_depths)
 
 
 def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
@@ -230,11 +241,18 @@ def load_draft(path: str | Path, target: ModelArch) -> DraftCheckpoint:
         lack = [n for n in want if n not in w]
         if lack:
             raise ValueError(f"draft {path}: layer {k} lacks {lack} (blocks_per_layer={blocks}, aux_layers={list(aux)})")
+    def depth_list(key: str, v: object) -> tuple[int, ...]:
+        if not isinstance(v, list) or not all(isinstance(d, int) and 0 <= d <= n for d in v):
+            raise ValueError(f"draft {path}: {key} {v!r} must be a list of depths in 0..{n}")
+        return tuple(v)
+
     depths = cfg.get("auto_depths")
-    if depths is not None and (not isinstance(depths, list) or not all(isinstance(d, int) and 0 <= d <= n for d in depths)):
-        raise ValueError(f"draft {path}: auto_depths {depths!r} must be a list of depths in 0..{n}")
+    by_device = cfg.get("auto_depths_by_device") or {}
+    if not isinstance(by_device, dict):
+        raise ValueError(f"draft {path}: auto_depths_by_device {by_device!r} must map a device type to depths")
     return DraftCheckpoint(arch, bool(cfg.get("chain", True)), layers, vocab, blocks, aux, tied,
-                           tuple(depths) if depths is not None else None)
+                           depth_list("auto_depths", depths) if depths is not None else None,
+                           {str(k): depth_list(f"auto_depths_by_device[{k!r}]", v) for k, v in by_device.items()})
 
 
 def read_draft(path: str | Path, target: ModelArch) -> tuple[ModelArch, bool, list[dict[str, torch.Tensor]]]:

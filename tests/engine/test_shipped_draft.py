@@ -43,6 +43,7 @@ def test_the_deeper_draft_serves_exactly_and_accepts_more() -> None:
     the same prompts it accepts more than the 3-layer draft (2.9 against 2.6 on the H200's MT-Bench)."""
     cfg = json.loads((Path(DEEP) / "draft_config.json").read_text())
     assert cfg["num_layers"] == 5 and cfg["tied_blocks"] == {"3": 1, "4": 2} and cfg["auto_depths"] == [0, 3, 5]
+    assert cfg["auto_depths_by_device"] == {"cuda": [0, 5]}  # depth 3 paid on the CPU only (results/gpu/round13)
     from mleagle.engine.contract.config import load_config
 
     assert load_config("smollm2-135m").model.default_draft == "drafts/smollm2-135m-mtp5"

@@ -225,6 +225,15 @@ def test_a_drafts_own_auto_depths_are_the_policys_choices_unless_the_engine_name
     e = Engine(tiny_cfg(), draft=str(d), spec_policy="auto")
     want = [c.token_ids for c in Engine(tiny_cfg()).generate(PROMPTS, GREEDY)]
     assert [c.token_ids for c in e.generate(PROMPTS, GREEDY)] == want
+    # A device type of its own: the CPU engine takes its list, another device's leaves it alone.
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"auto_depths": [0, 2, 4],
+                                                           "auto_depths_by_device": {"cpu": [0, 1, 4], "cuda": [0, 4]}}))
+    assert choices(spec_policy="auto") == [0, 1, 4]
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"auto_depths": [0, 2, 4], "auto_depths_by_device": {"cuda": [0, 4]}}))
+    assert choices(spec_policy="auto") == [0, 2, 4]
     (d / "draft_config.json").write_text(json.dumps(cfg | {"auto_depths": [0, 7]}))
     with pytest.raises(EngineInputError, match="auto_depths"):
+        Engine(tiny_cfg(), draft=str(d), spec_policy="auto")
+    (d / "draft_config.json").write_text(json.dumps(cfg | {"auto_depths_by_device": {"cuda": [0, 9]}}))
+    with pytest.raises(EngineInputError, match="auto_depths_by_device"):
         Engine(tiny_cfg(), draft=str(d), spec_policy="auto")

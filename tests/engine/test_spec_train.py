@@ -633,13 +633,15 @@ def test_train_draft_command_runs_every_phase(tmp_path: Path) -> None:
             *common[:-6], "--holdout-seqs", "4", "--log-every-s", "100"]
     assert cli.main([*wide[:6], *wide[8:]]) == 2  # --widen-vocab without a draft to widen
     cfg_path = exp / "draft" / "draft_config.json"  # the depths `auto` chooses for it carry over too
-    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"auto_depths": [0, 1]}))
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"auto_depths": [0, 1],
+                                                                       "auto_depths_by_device": {"cuda": [0, 2]}}))
     assert cli.main(wide) == 0
     assert json.loads((tmp_path / "wide" / "train.json").read_text())["draft_vocab"] is None
     arch = load_config(str(toml)).model.arch
     a, b = load_draft(exp / "draft", arch), load_draft(tmp_path / "wide" / "draft", arch)
     assert a.vocab_ids is not None and len(a.vocab_ids) == 1024 and b.vocab_ids is None
     assert a.auto_depths == b.auto_depths == (0, 1)
+    assert a.auto_depths_by_device == b.auto_depths_by_device == {"cuda": (0, 2)}
     for wa, wb in zip(a.layers, b.layers, strict=True):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     # ... or deeper: two layers added, running the blocks of layers 0 and 1; each starts as a copy of its
