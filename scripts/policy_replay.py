@@ -96,10 +96,8 @@ def replay(trace: dict[str, Any], cost_ms: dict[int, float], catch_up_ms: float,
     steps = trace["steps"]
     depths = sorted(cost_ms)
     pol = SpecPolicy("auto", steps, choices=depths, **kw)
-    pol.priming = True
-    for _ in range(pol.window):
-        for d in depths:
-            pol._time(1, d, cost_ms[d] / 1e3)
+    pol.priming = True  # what `Engine._prime_policy` leaves: each depth timed `window` times, then a reset
+    pol.apply_published([(1, d, cost_ms[d] / 1e3) for _ in range(pol.window) for d in depths])
     pol.reset(keep_costs=True)
     t = tokens = 0.0
     rows = [0] * (steps + 1)
@@ -148,7 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, dict[str, Any]] = {"auto": {}}
     for v in a.variant:
         variants[f"auto {v}"] = {k: float(x) if "." in x else int(x) for k, x in (kv.split("=") for kv in v.split(";"))}
-    res: dict[str, Any] = {"trace": a.trace, "cost_ms": cost, "catch_up_ms": a.catch_up, "rows": {}}
     base: dict[str, float] = {}
     print(f"{len(trace['requests'])} requests from {trace['dataset']} ({trace['draft']}, recorded on "
           f"{trace['machine'].get('gpu', 'cpu')}); costs {cost} ms, catch-up {a.catch_up} ms\n")
@@ -164,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = v["low"], v["high"]
         print(f"| {name} | {lo['tok_s']:.0f} | {lo['tok_s'] / base['low']:.3f} | {hi['tok_s']:.0f} | "
               f"{hi['tok_s'] / base['high']:.3f} | {lo['depth_share']} |")
-    res["rows"] = out
     if a.out:
+        res = {"trace": a.trace, "cost_ms": cost, "catch_up_ms": a.catch_up, "rows": out}
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
 

@@ -136,7 +136,7 @@ class EngineConfig(BaseModel):
     enable_prefix_cache: bool = True
     threads: int | None = Field(None, ge=1)
     # float32 on the CPU: every linear layer's product over 3 rows or more (a verify, a batch, a prefill)
-    # through oneDNN with the weight kept a second time in its packed layout, 1.5-2.4x faster than MKL's
+    # through oneDNN with the weight kept a second time in its packed layout, 1.4-2.4x faster than MKL's
     # for 3-64 rows on the development box at the cost of the weights' size in memory again
     # (engine/layers/linear.py). Off: MKL only, the weights held once. A process-wide switch: each
     # engine (every tensor-parallel rank builds one) sets it as it starts.

@@ -65,6 +65,7 @@ def packed(w: torch.Tensor) -> torch.Tensor:
     hit = getattr(w, "_mleagle_packed", None)
     if hit is not None and hit[0] == w._version:
         return hit[1]
+    # The batch-size hint picks oneDNN's blocking; 2 to 32 timed alike for 1 to 64 rows on the dev box.
     p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
     w._mleagle_packed = (w._version, p)  # type: ignore[attr-defined]
     return p

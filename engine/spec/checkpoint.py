@@ -105,7 +105,7 @@ def save_draft(stack: DraftStack, path: str | Path, dtype: torch.dtype | None = 
     shards of at most `max_shard_bytes` (a single larger tensor gets a shard of its own); files of an
     earlier save in the same folder that this one does not list are removed. `auto_depths`, if given,
     goes into the config (the depths `auto` chooses between for this draft), and `auto_depths_by_device`
-(the same per device type, where it differs)."""
+    (the same per device type, where it differs)."""
     from safetensors.torch import save_file
 
     p = Path(path)

@@ -360,9 +360,10 @@ class SpecPolicy:
         self.stats.iterations_by_bucket.setdefault(str(b), [0] * (self.steps + 1))[depth] += 1
         gained = sum(accepted)
         self.stats.tokens_gained += gained
-        made = gained + len(accepted) if accepted else bs  # this iteration's output tokens
+        rows = len(accepted) if accepted else bs  # request-iterations that made tokens
+        made = gained + rows  # this iteration's output tokens
         st = self.stats
-        st.rows_by_depth[depth] += len(accepted) if accepted else bs
+        st.rows_by_depth[depth] += rows
         st.tokens_by_depth[depth] += made
         if seconds:
             st.seconds_by_depth[depth] += seconds
