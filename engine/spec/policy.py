@@ -17,11 +17,19 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
   fewer than `min_evidence` request-iterations runs until they do, the deepest first, but only where
   it could win were those thin rates 1: on a CPU, where depth 5 costs twice depth 3, measuring a_4
   and a_5 buys nothing.
-- cost is the median of a depth's last `window` samples in the bucket, so one iteration that met a
-  stall (a page allocation, another process) does not move it, and never more than what the engine's
+- cost is the mean of a depth's last `window` samples in the bucket, each cut to 4x their median, so
+  one iteration that met a stall (a page allocation, another process) moves it little while a tail
+  that many iterations share counts (`_clipped_mean`). Served costs are capped by what the engine's
   warm-up timed there (`reset(keep_costs=True)` keeps those as a ceiling): a served iteration's clock
-  also holds what arrivals cost the step around it, whichever depth ran, and on the H200 at 32-64
-  requests that put depth 3 of a 5-step draft above depth 5 (3.0-3.4 ms against 2.3-2.6).
+  also holds what arrivals cost the step around it, and a depth timed only in short looks under other
+  traffic than the running one is not comparable to it (on the H200 at 32-64 requests that put depth 3
+  of a 5-step draft above depth 5, 3.0-3.4 ms against 2.3-2.6). The cap goes once every choice of
+  the bucket has been timed under traffic (`paired`), and when the running depth costs more than
+  `slack` over its warm-up timing through a whole window, the shallower choices are timed under
+  traffic at once (`_unpaired`): a host that slows under load can make a deep iteration cost several
+  times its warm-up timing while a plain step barely moves (on one H200 host, depth 5 of the 5-step
+  draft at 64 requests cost 3.7-6.1 ms served against 1.5-1.6 at warm-up, and speculation made
+  0.71-0.92x target-only), which the cap alone would never show.
 Depth 0 is a plain decode step (whole-iteration graph
 included), so the policy can never do worse than target-only by more than what it spends measuring:
 a bucket's depths are each tried `min_samples` times before the policy trusts them (the full depth
@@ -89,6 +97,16 @@ def _median(q: deque[float]) -> float:
     return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
 
 
+def _clipped_mean(q: deque[float], clip: float = 4.0) -> float:
+    """The mean of `q` with each sample cut to `clip` times the median: one stall (a page allocation,
+    another process) moves it by at most that, while a tail that many iterations share counts, as it
+    does for the tokens a second. A median alone hid one: on an H200 host whose depth-5 iterations at
+    64 requests took 3.7 ms at the median but 6.2 ms on average, depth 5 looked 1.2x better than
+    depth 0 where it made 0.89x target-only."""
+    cap = clip * _median(q)
+    return sum(min(x, cap) for x in q) / len(q)
+
+
 def size_bucket(bs: int) -> int:
     """The batch sizes whose iterations are costed together: 1, 2, 4, then steps of about 1.5x (6, 8,
     12, 16, 24, 32, 48, ...). Every bucket is measured at each depth before it is trusted, and
@@ -131,13 +149,13 @@ class SpecPolicy:
     def __init__(self, mode: str, steps: int, *, explore_every: int = 256, acc_alpha: float = 0.01,
                  margin: float = 0.03, min_samples: int = 3, window: int = 9, horizon: int = 64,
                  dwell: int = 16, choices: list[int] | None = None, publish: bool = False,
-                 min_evidence: int = 16, probe: int = 8):
+                 min_evidence: int = 16, probe: int = 8, slack: float = 0.25):
         if mode not in MODES:
             raise ValueError(f"spec policy {mode!r}: choose one of {', '.join(MODES)}")
         self.mode, self.steps = mode, steps
         self.explore_every, self.acc_alpha, self.margin = explore_every, acc_alpha, margin
         self.min_samples, self.window, self.horizon, self.dwell = min_samples, window, horizon, dwell
-        self.min_evidence, self.probe = min_evidence, probe
+        self.min_evidence, self.probe, self.slack = min_evidence, probe, slack
         self._probing: dict[int, tuple[int, int]] = {}  # bucket -> (runner-up depth, iterations left)
         # The depths `auto` chooses from: none and all by default (each depth in between would make the
         # layers past it fall behind and catch up on every switch; `cycle` runs every depth).
@@ -149,6 +167,9 @@ class SpecPolicy:
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
         self.primed: dict[tuple[int, int], float] = {}  # what the warm-up timed: a ceiling on `cost`
         self.samples: Counter[tuple[int, int]] = Counter()
+        # Timings taken under traffic (not while priming): a bucket whose choices all have `probe` of
+        # them is costed by them alone (`cost_of`).
+        self.served: Counter[tuple[int, int]] = Counter()
         self._recent: dict[tuple[int, int], deque[float]] = {}
         self.catch_up_cost = 0.0  # seconds per catch-up (rolling), charged to a switch up
         # Drafting also costs the draft layers' pass over every prompt (a draft prefill, or the catch-up
@@ -213,10 +234,31 @@ class SpecPolicy:
         return t / (self.cost_of(b, depth) + extra)
 
     def cost_of(self, b: int, depth: int) -> float:
-        """Seconds per iteration of `depth` in bucket `b`: the served median, at most the warm-up's."""
+        """Seconds per iteration of `depth` in bucket `b`: what served iterations measured, at most the
+        warm-up's until every choice of the bucket has been timed under traffic (`paired`)."""
         c = self.cost[(b, depth)]
         p = self.primed.get((b, depth))
-        return min(c, p) if p else c
+        return min(c, p) if p and not self.paired(b) else c
+
+    def paired(self, b: int) -> bool:
+        """Has every depth `auto` chooses from been timed under traffic in bucket `b`, a look's worth
+        (`probe` iterations: the window then holds hardly any warm-up timing)? Then their costs carry
+        the same load and compare as they are."""
+        return all(self.served[(b, d)] >= self.probe for d in self.choices)
+
+    def _unpaired(self, b: int) -> int | None:
+        """A shallower choice to time under traffic now, if any: the depth bucket `b` runs costs more
+        than `slack` over what the warm-up timed in most of a window of served iterations, while that
+        choice has no served timings, so its cost is still the warm-up's, which under this load means
+        nothing. Shallower only: it needs no catch-up to run, and drafting that costs more than the
+        warm-up said is what makes speculation lose to target-only (a host that slows under load)."""
+        cur = self.current.get(b)
+        if cur is None or self.served[(b, cur)] < self.window:
+            return None
+        p = self.primed.get((b, cur))
+        if not p or _median(self._recent[(b, cur)]) <= p * (1 + self.slack):  # most of the window, not a stall
+            return None
+        return next((d for d in self.choices if d < cur and self.served[(b, d)] < self.probe), None)
 
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
@@ -264,6 +306,12 @@ class SpecPolicy:
             self.stats.explore_iterations += 1
             return Decision(x, "explore: acceptance not measured yet")
         probing = self._probing.pop(b, None)
+        if probing is None and (x := self._unpaired(b)) is not None:
+            # The running depth costs more under traffic than at warm-up: time the shallower choice
+            # under the same traffic (`probe` iterations), so the two compare on served costs.
+            self._probing[b] = (x, self.probe - 1)
+            self.stats.explore_iterations += 1
+            return Decision(x, "explore: served cost above the warm-up's", rates[x] / rates[0] if 0 in rates else 0.0)
         if probing is not None and probing[1] > 0:  # a look at the runner-up goes on for `probe` iterations
             d, left = probing
             self._probing[b] = (d, left - 1)
@@ -431,8 +479,10 @@ class SpecPolicy:
         key = (b, depth)
         q = self._recent.setdefault(key, deque(maxlen=self.window))
         q.append(seconds)
-        self.cost[key] = _median(q)
+        self.cost[key] = _clipped_mean(q)
         self.samples[key] += 1
+        if not self.priming:
+            self.served[key] += 1
 
     def take_published(self) -> list[tuple[int, int, float]]:
         """Rank 0: the timings measured since the last call, for every rank's `apply_published`."""
@@ -452,7 +502,8 @@ class SpecPolicy:
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
                       window=self.window, horizon=self.horizon, dwell=self.dwell, choices=self.choices,
-                      publish=self.publish, min_evidence=self.min_evidence, probe=self.probe)
+                      publish=self.publish, min_evidence=self.min_evidence, probe=self.probe,
+                      slack=self.slack)
         if keep_costs:
             self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
             self.primed = primed  # the warm-up's timings: a ceiling on what served iterations measure
@@ -476,5 +527,7 @@ class SpecPolicy:
             "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_token": round(self.fills_per_token, 5),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             "primed_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.primed.items())},
+            # Buckets costed by served timings alone (every choice timed under traffic: `paired`).
+            "paired": sorted({b for b, _ in self.cost if self.paired(b)}),
             **{k: v for k, v in vars(self.stats).items()},
         }

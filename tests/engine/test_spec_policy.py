@@ -548,7 +548,8 @@ def test_a_deep_rate_moves_with_the_shallow_rates_it_is_built_on() -> None:
 def test_the_warm_up_timing_is_a_ceiling_on_what_served_iterations_measure() -> None:
     """A served iteration's clock also holds what arrivals cost the step around it: after the warm-up's
     timing (`reset(keep_costs=True)`), a depth costs at most what the warm-up measured, and less where
-    the served median is lower. Without the warm-up it is the served median alone."""
+    the served cost is lower, until every choice has been timed under traffic; then the served costs
+    alone. Without the warm-up it is the served cost alone."""
     p = SpecPolicy("auto", 3)
     for d, c in ((0, 1.0), (3, 1.2)):
         for _ in range(p.min_samples):
@@ -557,15 +558,64 @@ def test_the_warm_up_timing_is_a_ceiling_on_what_served_iterations_measure() -> 
     assert p.primed == {(8, 0): 1.0, (8, 3): 1.2} and p.acc_seen == [0, 0, 0]
     for _ in range(p.window):
         p.observe(8, 3, [3] * 8, 3.0)  # served under arrivals: slower than the warm-up measured
-        p.observe(8, 0, [], 0.5)  # and faster
-    assert p.cost[(8, 3)] == 3.0 and p.cost_of(8, 3) == 1.2 and p.cost_of(8, 0) == 0.5
+    assert p.cost[(8, 3)] == 3.0 and p.cost_of(8, 3) == 1.2 and not p.paired(8)
     assert p.snapshot()["primed_ms"] == {"8:0": 1000.0, "8:3": 1200.0}
+    for _ in range(p.probe):
+        p.observe(8, 0, [], 0.5)  # and depth 0 under the same traffic: both served, compared as they are
+    assert p.paired(8) and p.cost_of(8, 3) == 3.0 and p.cost_of(8, 0) == p.cost[(8, 0)] < 0.6
     q = SpecPolicy("auto", 3)
-    for _ in range(p.min_samples):
+    for _ in range(q.min_samples):
         q.observe(8, 3, [3] * 8, 3.0)
     assert q.cost_of(8, 3) == 3.0
     q.reset()
     assert not q.primed and not q.cost
+
+
+def _served(p: SpecPolicy, bs: int, cost: dict[int, float], n: int) -> list[Decision]:
+    """`n` served iterations, every draft accepted, at made-up costs per depth."""
+    out = []
+    for _ in range(n):
+        d = p.choose(bs)
+        p.observe(bs, d.depth, [d.depth] * bs if d.depth else [], cost[d.depth])
+        out.append(d)
+    return out
+
+
+def test_a_drafting_depth_that_costs_far_more_served_than_at_warm_up_is_compared_with_depth_0_served() -> None:
+    """A host that slows under load: the warm-up timed depth 3 at 1.2x depth 0, so with every draft
+    accepted it makes 3.3x the tokens a second. Served, depth 3 costs 6 s against 1.1 for depth 0 (it
+    makes 0.73x): past `slack` over its warm-up timing in most of a window, depth 0 is timed under
+    the same traffic for `probe` iterations, the cap goes, and depth 0 runs from then on. Where served
+    depth 3 stays within the slack, nothing is probed and depth 3 keeps running."""
+    def primed() -> SpecPolicy:
+        p = SpecPolicy("auto", 3, dwell=0, probe=4)
+        _teach(p, 8, {0: 1.0, 3: 1.2}, acc=1.0)
+        p.reset(keep_costs=True)
+        _served(p, 8, {0: 1.0, 3: 1.2}, 20)  # served acceptance measured, at the warm-up's costs
+        assert p.served[(8, 0)] == 0 and not p.paired(8)
+        return p
+
+    p = primed()
+    picks = _served(p, 8, {0: 1.1, 3: 6.0}, 40)
+    reasons = [d.reason for d in picks]
+    i = reasons.index("explore: served cost above the warm-up's")
+    assert i > p.window // 2 and [d.depth for d in picks[i : i + p.probe]] == [0] * p.probe
+    # Back at depth 3 its window fills with served costs, and depth 0 takes over for good.
+    assert p.paired(8) and {d.depth for d in picks[-16:]} == {0}
+    q = primed()
+    picks = _served(q, 8, {0: 1.1, 3: 1.45}, 40)
+    assert {d.depth for d in picks} == {3} and not q.paired(8)
+
+
+def test_a_stall_moves_a_cost_little_and_a_shared_tail_counts() -> None:
+    p = SpecPolicy("auto", 1)
+    for c in [1.0] * 8 + [100.0]:  # one stall: cut to 4x the median
+        p.observe(4, 1, [1] * 4, c)
+    assert p.cost[(4, 1)] == pytest.approx((8 + 4) / 9)
+    q = SpecPolicy("auto", 1)
+    for c in [1.0, 3.0] * 4 + [1.0]:  # every other iteration slow: the median says 1, the rate 1.9
+        q.observe(4, 1, [1] * 4, c)
+    assert q.cost[(4, 1)] == pytest.approx(17 / 9)
 
 
 def test_a_look_at_the_runner_up_lasts_probe_iterations() -> None:
