@@ -17,19 +17,22 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
   fewer than `min_evidence` request-iterations runs until they do, the deepest first, but only where
   it could win were those thin rates 1: on a CPU, where depth 5 costs twice depth 3, measuring a_4
   and a_5 buys nothing.
-- cost is the mean of a depth's last `window` samples in the bucket, each cut to 4x their median, so
-  one iteration that met a stall (a page allocation, another process) moves it little while a tail
-  that many iterations share counts (`_clipped_mean`). Served costs are capped by what the engine's
+- cost is the median of a depth's last `window` samples in the bucket, so one iteration that met a
+  stall (a page allocation, another process) does not move it, and never more than what the engine's
   warm-up timed there (`reset(keep_costs=True)` keeps those as a ceiling): a served iteration's clock
   also holds what arrivals cost the step around it, and a depth timed only in short looks under other
   traffic than the running one is not comparable to it (on the H200 at 32-64 requests that put depth 3
-  of a 5-step draft above depth 5, 3.0-3.4 ms against 2.3-2.6). The cap goes once every choice of
-  the bucket has been timed under traffic (`paired`), and when the running depth costs more than
-  `slack` over its warm-up timing through a whole window, the shallower choices are timed under
-  traffic at once (`_unpaired`): a host that slows under load can make a deep iteration cost several
-  times its warm-up timing while a plain step barely moves (on one H200 host, depth 5 of the 5-step
-  draft at 64 requests cost 3.7-6.1 ms served against 1.5-1.6 at warm-up, and speculation made
-  0.71-0.92x target-only), which the cap alone would never show.
+  of a 5-step draft above depth 5, 3.0-3.4 ms against 2.3-2.6).
+- The ceiling alone would hide a host that slows under load: on one H200 host depth 5 of the 5-step
+  draft at 64 requests cost 3.7-6.1 ms at the median served (6.2 ms on average) against 1.5-1.6 at
+  warm-up, while a plain step barely moved, and speculation made 0.71-0.92x target-only with `auto`
+  at depth 5 throughout. So where the drafting depth running in a bucket costs more than `slack` over
+  its warm-up timing in most of a window, depth 0 is timed under the same traffic for `probe`
+  iterations (`_plain_unserved`), and from then on the bucket's drafting depths are discounted by
+  what their served rates show against depth 0's (`served_discount`: the window's mean with each
+  sample cut to 4x the median, `_clipped_mean`, since a tail that many iterations share is what
+  tokens a second pay). The discount scales every drafting depth alike: the order among them stays the
+  warm-up's (served costs of depths timed at different moments put depth 3 above 5 on the CPU too).
 Depth 0 is a plain decode step (whole-iteration graph
 included), so the policy can never do worse than target-only by more than what it spends measuring:
 a bucket's depths are each tried `min_samples` times before the policy trusts them (the full depth
@@ -100,9 +103,9 @@ def _median(q: deque[float]) -> float:
 def _clipped_mean(q: deque[float], clip: float = 4.0) -> float:
     """The mean of `q` with each sample cut to `clip` times the median: one stall (a page allocation,
     another process) moves it by at most that, while a tail that many iterations share counts, as it
-    does for the tokens a second. A median alone hid one: on an H200 host whose depth-5 iterations at
-    64 requests took 3.7 ms at the median but 6.2 ms on average, depth 5 looked 1.2x better than
-    depth 0 where it made 0.89x target-only."""
+    does for the tokens a second (`served_discount`). A median alone hid one: on an H200 host whose
+    depth-5 iterations at 64 requests took 3.7 ms at the median but 6.2 ms on average, depth 5 would
+    have looked about 1.2x better than depth 0 where it made 0.89x target-only."""
     cap = clip * _median(q)
     return sum(min(x, cap) for x in q) / len(q)
 
@@ -167,9 +170,11 @@ class SpecPolicy:
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
         self.primed: dict[tuple[int, int], float] = {}  # what the warm-up timed: a ceiling on `cost`
         self.samples: Counter[tuple[int, int]] = Counter()
-        # Timings taken under traffic (not while priming): a bucket whose choices all have `probe` of
-        # them is costed by them alone (`cost_of`).
+        self.cost_mean: dict[tuple[int, int], float] = {}  # the same window's clipped mean (`served_discount`)
+        # Timings taken under traffic (not while priming), and the buckets where drafting cost more than
+        # `slack` over its warm-up timing (`_plain_unserved`): there served rates may discount drafting.
         self.served: Counter[tuple[int, int]] = Counter()
+        self.slow: set[int] = set()
         self._recent: dict[tuple[int, int], deque[float]] = {}
         self.catch_up_cost = 0.0  # seconds per catch-up (rolling), charged to a switch up
         # Drafting also costs the draft layers' pass over every prompt (a draft prefill, or the catch-up
@@ -234,31 +239,39 @@ class SpecPolicy:
         return t / (self.cost_of(b, depth) + extra)
 
     def cost_of(self, b: int, depth: int) -> float:
-        """Seconds per iteration of `depth` in bucket `b`: what served iterations measured, at most the
-        warm-up's until every choice of the bucket has been timed under traffic (`paired`)."""
+        """Seconds per iteration of `depth` in bucket `b`: the served median, at most the warm-up's."""
         c = self.cost[(b, depth)]
         p = self.primed.get((b, depth))
-        return min(c, p) if p and not self.paired(b) else c
+        return min(c, p) if p else c
 
-    def paired(self, b: int) -> bool:
-        """Has every depth `auto` chooses from been timed under traffic in bucket `b`, a look's worth
-        (`probe` iterations: the window then holds hardly any warm-up timing)? Then their costs carry
-        the same load and compare as they are."""
-        return all(self.served[(b, d)] >= self.probe for d in self.choices)
-
-    def _unpaired(self, b: int) -> int | None:
-        """A shallower choice to time under traffic now, if any: the depth bucket `b` runs costs more
-        than `slack` over what the warm-up timed in most of a window of served iterations, while that
-        choice has no served timings, so its cost is still the warm-up's, which under this load means
-        nothing. Shallower only: it needs no catch-up to run, and drafting that costs more than the
-        warm-up said is what makes speculation lose to target-only (a host that slows under load)."""
-        cur = self.current.get(b)
-        if cur is None or self.served[(b, cur)] < self.window:
-            return None
+    def _plain_unserved(self, b: int) -> bool:
+        """Should depth 0 be timed under traffic now? Where the drafting depth bucket `b` runs has cost
+        more than `slack` over its warm-up timing in most of a window of served iterations, depth 0
+        has not been timed served there yet, and it is a choice (it needs no catch-up to run)."""
+        cur = self.current.get(b, 0)
+        if not cur or 0 not in self.choices or self.served[(b, 0)] >= self.probe:
+            return False
         p = self.primed.get((b, cur))
-        if not p or _median(self._recent[(b, cur)]) <= p * (1 + self.slack):  # most of the window, not a stall
-            return None
-        return next((d for d in self.choices if d < cur and self.served[(b, d)] < self.probe), None)
+        if p is None or self.served[(b, cur)] < self.window:
+            return False
+        return _median(self._recent[(b, cur)]) > p * (1 + self.slack)  # most of the window, not a stall
+
+    def served_discount(self, b: int, bs: int, rates: dict[int, float]) -> float:
+        """What drafting really gains over plain steps under traffic, as a share of what the capped
+        costs predict (1.0 where it gains at least that, or where nothing says otherwise): in a bucket
+        flagged slow (`_plain_unserved` looked at depth 0 there) with depth 0 and a drafting depth
+        each timed `probe` times served, their served rates (the clipped means, uncapped, with the
+        draft prefill charge) against the capped ones. Every drafting depth is scaled by it alike, so
+        the order among them stays the warm-up's and only drafting against not drafting moves."""
+        if b not in self.slow or self.served[(b, 0)] < self.probe:
+            return 1.0
+        d = max((d for d in self._drafting if self.served[(b, d)] >= self.probe), key=lambda d: self.served[(b, d)],
+                default=0)
+        if not d or not rates.get(0) or not rates.get(d):
+            return 1.0
+        t = self.tokens(d, b < 0)
+        served = t / (self.cost_mean[(b, d)] + self.fill_cost * self.fills_per_token * bs * t)
+        return min(1.0, served * self.cost_mean[(b, 0)] / (rates[d] / rates[0]))
 
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
@@ -306,12 +319,16 @@ class SpecPolicy:
             self.stats.explore_iterations += 1
             return Decision(x, "explore: acceptance not measured yet")
         probing = self._probing.pop(b, None)
-        if probing is None and (x := self._unpaired(b)) is not None:
-            # The running depth costs more under traffic than at warm-up: time the shallower choice
-            # under the same traffic (`probe` iterations), so the two compare on served costs.
-            self._probing[b] = (x, self.probe - 1)
+        if probing is None and self._plain_unserved(b):
+            # Drafting costs more under traffic than at warm-up: time depth 0 under the same traffic
+            # (`probe` iterations), so that the two compare on served costs from now on.
+            self.slow.add(b)
+            self._probing[b] = (0, self.probe - 1)
             self.stats.explore_iterations += 1
-            return Decision(x, "explore: served cost above the warm-up's", rates[x] / rates[0] if 0 in rates else 0.0)
+            return Decision(0, "explore: drafting costs more served than at warm-up", 1.0)
+        f = self.served_discount(b, bs, rates)
+        if f < 1.0:
+            rates = {d: r * f if d else r for d, r in rates.items()}
         if probing is not None and probing[1] > 0:  # a look at the runner-up goes on for `probe` iterations
             d, left = probing
             self._probing[b] = (d, left - 1)
@@ -479,7 +496,8 @@ class SpecPolicy:
         key = (b, depth)
         q = self._recent.setdefault(key, deque(maxlen=self.window))
         q.append(seconds)
-        self.cost[key] = _clipped_mean(q)
+        self.cost[key] = _median(q)
+        self.cost_mean[key] = _clipped_mean(q)
         self.samples[key] += 1
         if not self.priming:
             self.served[key] += 1
@@ -497,7 +515,7 @@ class SpecPolicy:
         """Forget everything learned (the engine's warm-up runs prompts that are not the traffic), or
         everything but the timings (`keep_costs`: what an iteration of each depth costs in each bucket,
         a catch-up and a draft fill cost the same whatever the prompts)."""
-        kept = (self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost)
+        kept = (self.cost, self.cost_mean, self.samples, self._recent, self.catch_up_cost, self.fill_cost)
         primed = {**self.primed, **self.cost}
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
@@ -505,7 +523,7 @@ class SpecPolicy:
                       publish=self.publish, min_evidence=self.min_evidence, probe=self.probe,
                       slack=self.slack)
         if keep_costs:
-            self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
+            self.cost, self.cost_mean, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
             self.primed = primed  # the warm-up's timings: a ceiling on what served iterations measure
 
     @property
@@ -527,7 +545,8 @@ class SpecPolicy:
             "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_token": round(self.fills_per_token, 5),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             "primed_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.primed.items())},
-            # Buckets costed by served timings alone (every choice timed under traffic: `paired`).
-            "paired": sorted({b for b, _ in self.cost if self.paired(b)}),
+            # Buckets where drafting cost more served than at warm-up, and what served rates say of it there.
+            "slow": {str(b): round(self.served_discount(b, abs(b), {d: self.rate(b, d, abs(b)) for d in self.choices}), 3)
+                     for b in sorted(self.slow) if all((b, d) in self.cost for d in self.choices)},
             **{k: v for k, v in vars(self.stats).items()},
         }
