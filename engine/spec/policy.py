@@ -27,8 +27,9 @@ one iteration of that depth in the batch's size bucket (`size_bucket`).
   draft at 64 requests cost 3.7-6.1 ms at the median served (6.2 ms on average) against 1.5-1.6 at
   warm-up, while a plain step barely moved, and speculation made 0.71-0.92x target-only with `auto`
   at depth 5 throughout. So where the drafting depth running in a bucket costs more than `slack` over
-  its warm-up timing in most of a window, depth 0 is timed under the same traffic for `probe`
-  iterations (`_plain_unserved`), and from then on the bucket's drafting depths are discounted by
+  its warm-up timing in most of a window and its served rate is below `1 + slack` times what depth 0
+  makes at its warm-up cost, depth 0 is timed under the same traffic for `probe` iterations
+  (`_plain_unserved`), and from then on the bucket's drafting depths are discounted by
   what their served rates show against depth 0's (`served_discount`: the window's mean with each
   sample cut to 4x the median, `_clipped_mean`, since a tail that many iterations share is what
   tokens a second pay). The discount scales every drafting depth alike: the order among them stays the
@@ -244,17 +245,25 @@ class SpecPolicy:
         p = self.primed.get((b, depth))
         return min(c, p) if p else c
 
-    def _plain_unserved(self, b: int) -> bool:
+    def _plain_unserved(self, b: int, bs: int) -> bool:
         """Should depth 0 be timed under traffic now? Where the drafting depth bucket `b` runs has cost
         more than `slack` over its warm-up timing in most of a window of served iterations, depth 0
-        has not been timed served there yet, and it is a choice (it needs no catch-up to run)."""
+        has not been timed served there yet, it is a choice (it needs no catch-up to run), and it
+        could win: drafting's served rate (the clipped mean, with the draft prefill charge) is below
+        what depth 0 makes at its warm-up cost with `slack` to spare. A plain step costs at least that
+        under traffic too, so where drafting makes more, the look would only cost (at 32-64 requests on
+        the H200 every bucket's served costs exceed the warm-up's by that much)."""
         cur = self.current.get(b, 0)
         if not cur or 0 not in self.choices or self.served[(b, 0)] >= self.probe:
             return False
         p = self.primed.get((b, cur))
         if p is None or self.served[(b, cur)] < self.window:
             return False
-        return _median(self._recent[(b, cur)]) > p * (1 + self.slack)  # most of the window, not a stall
+        if _median(self._recent[(b, cur)]) <= p * (1 + self.slack):  # most of the window, not a stall
+            return False
+        t = self.tokens(cur, b < 0)
+        served = t / (self.cost_mean[(b, cur)] + self.fill_cost * self.fills_per_token * bs * t)
+        return served < (1 + self.slack) / self.primed.get((b, 0), self.cost[(b, 0)])
 
     def served_discount(self, b: int, bs: int, rates: dict[int, float]) -> float:
         """What drafting really gains over plain steps under traffic, as a share of what the capped
@@ -319,7 +328,7 @@ class SpecPolicy:
             self.stats.explore_iterations += 1
             return Decision(x, "explore: acceptance not measured yet")
         probing = self._probing.pop(b, None)
-        if probing is None and self._plain_unserved(b):
+        if probing is None and self._plain_unserved(b, bs):
             # Drafting costs more under traffic than at warm-up: time depth 0 under the same traffic
             # (`probe` iterations), so that the two compare on served costs from now on.
             self.slow.add(b)

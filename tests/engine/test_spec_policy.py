@@ -605,16 +605,22 @@ def test_drafting_that_costs_far_more_served_than_at_warm_up_is_weighed_against_
     q = _primed(3, {0: 1.0, 3: 1.2})
     picks = _served(q, 8, {0: 1.1, 3: 1.45}, 40)
     assert {d.depth for d in picks} == {3} and not q.slow
+    # Past the slack but still far ahead of what depth 0 makes at its warm-up cost (4 tokens in 2 s
+    # against 1 in 1): a look at depth 0 could not change the choice, so none is taken.
+    r = _primed(3, {0: 1.0, 3: 1.2})
+    picks = _served(r, 8, {0: 1.1, 3: 2.0}, 40)
+    assert {d.depth for d in picks} == {3} and not r.slow
 
 
 def test_the_served_discount_keeps_the_order_among_drafting_depths() -> None:
     """Depths 0, 3 and 5, all drafts accepted, warm-up costs 1.0 / 1.1 / 1.2: depth 5 is best. Served,
-    depth 5 costs 1.8 (past the slack) and depth 3 would cost 1.2; depth 0 is timed served and
-    drafting is discounted (6 tokens in 1.8 against 1 in 1.1: 3.7x, where the capped costs say 5x), but
-    depth 5 still wins and depth 3, never timed served, is not chosen over it."""
+    depth 5 costs 5.5 (past the slack, and near what depth 0 makes) and depth 3 would cost 3; depth 0
+    is timed served and drafting is discounted (6 tokens in 5.5 against 1 in 1.1: 1.2x, where the
+    capped costs say 5x), but depth 5 still wins and depth 3, whose capped rate is discounted alike,
+    is not chosen over it."""
     p = _primed(5, {0: 1.0, 3: 1.1, 5: 1.2})
-    picks = _served(p, 8, {0: 1.1, 3: 1.2, 5: 1.8}, 60)
-    assert p.slow == {8} and p.snapshot()["slow"]["8"] == pytest.approx(6 / 1.8 * 1.1 / 5, rel=0.05)
+    picks = _served(p, 8, {0: 1.1, 3: 3.0, 5: 5.5}, 60)
+    assert p.slow == {8} and p.snapshot()["slow"]["8"] == pytest.approx(6 / 5.5 * 1.1 / 5, rel=0.05)
     assert [d.depth for d in picks if not d.reason.startswith("explore")] and {
         d.depth for d in picks if not d.reason.startswith("explore")} == {5}
 
