@@ -138,8 +138,9 @@ class EngineConfig(BaseModel):
     # float32 on the CPU: every linear layer's product over 3 rows or more (a verify, a batch, a prefill)
     # through oneDNN with the weight kept a second time in its packed layout, 1.4-2.4x faster than MKL's
     # for 3-64 rows on the development box at the cost of the weights' size in memory again
-    # (engine/layers/linear.py). Off: MKL only, the weights held once. A process-wide switch: each
-    # engine (every tensor-parallel rank builds one) sets it as it starts.
+    # (engine/layers/linear.py). Off: MKL only, the weights held once (also where the copies would take
+    # over half the available memory: `Engine._packed_linear`). A process-wide switch: each engine
+    # (every tensor-parallel rank builds one) sets it as it starts.
     cpu_packed_linear: bool = True
     seed: int = 0  # seeds requests that bring none, reproducibly per engine run
     # CUDA graphs for decode / verify / every draft-extend step, bucketed up to cuda_graph_max_bs

@@ -49,7 +49,13 @@ from mleagle.engine.errors import EngineInputError
 from mleagle.engine.executor.runner import ModelRunner, build_runner, rank_heads
 from mleagle.engine.executor.worker import GraphSettings, TargetWorker
 from mleagle.engine.kernels import set_fused_layers
-from mleagle.engine.layers.linear import PACKED, PACKED_AVAILABLE, tp_shape_errors
+from mleagle.engine.layers.linear import (
+    PACKED,
+    PACKED_AVAILABLE,
+    available_memory,
+    packed_fits,
+    tp_shape_errors,
+)
 from mleagle.engine.memory.allocator import SlotAllocator
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.manager import MemoryManager
@@ -228,6 +234,7 @@ class Engine:
         self.draft_stack: Any = None
         self.worker = self._build_worker(spec_worker, spec_worker_kw or {})
         self.worker.constrain.bind(self.tokenizer, sorted(self.eos_ids))  # structured output (engine/constrain)
+        self.packed_linear = self._packed_linear(available_memory())
         self.graph_report = self.worker.capture_graphs(GraphSettings(
             cuda_graph=e.cuda_graph, emulate=e.graph_emulate, iteration=e.iteration_graph,
             max_bs=min(e.cuda_graph_max_bs or self.max_reqs, self.max_reqs), tp_size=self.tp.size,
@@ -265,6 +272,32 @@ class Engine:
         e = self.cfg.engine
         return (e.overlap_schedule and self.device.type == "cuda"
                 and not any(r.binding.backend.needs_host_lens for r in self.runners))
+
+    def _packed_linear(self, available: int | None) -> dict[str, Any]:
+        """Whether this engine's float32 CPU products of 3 rows or more run on packed weights
+        (`cpu_packed_linear`, layers/linear.py), and why not where they do not: the packed copies hold
+        the weights a second time, so where they would take over half the memory left once the model,
+        its drafts and the KV pools are in place, the engine keeps MKL's products instead of swapping."""
+        e = self.cfg.engine
+        info: dict[str, Any] = {"on": False, "packed_mb": 0.0, "available_mb": None, "reason": None}
+        if not e.cpu_packed_linear:
+            info["reason"] = "cpu_packed_linear = false"
+        elif not PACKED_AVAILABLE:
+            info["reason"] = "this torch has no oneDNN packed linear"
+        elif self.device.type != "cpu" or self.dtype != torch.float32:
+            info["reason"] = "not float32 on the CPU"
+        else:
+            fits, n = packed_fits([r.model for r in self.runners], available)
+            info.update(packed_mb=round(n / 2**20, 1),
+                        available_mb=round(available / 2**20, 1) if available is not None else None)
+            if fits:
+                info["on"] = True
+            else:
+                info["reason"] = "the packed copies would take over half the available memory"
+                log.warning("packed CPU weights off: %.0f MB of them against %.0f MB available (set "
+                            "engine.cpu_packed_linear = false to silence)", n / 2**20, (available or 0) / 2**20)
+        PACKED["on"] = info["on"]
+        return info
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -477,7 +510,8 @@ class Engine:
                 "prefix_cache": self.prefix_cache_stats(),
                 "spec_policy": policy.snapshot() if policy is not None else None,
                 "mixed_steps": sch.num_mixed, "held_prefill_steps": sch.num_held,
-                "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts()}
+                "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
+                "cpu_packed_linear": self.packed_linear}
 
     def graph_counts(self) -> dict[str, Any]:
         """Per runner: graph replays (decode/verify/draft-extend shapes, and prefill by token bucket) and

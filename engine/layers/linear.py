@@ -58,6 +58,33 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (`MemAvailable`), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def packed_fits(modules: list[nn.Module], available: int | None, share: float = 0.5) -> tuple[bool, int]:
+    """Can the packed copies of `modules`' float32 matrices (made on first use, `packed`) take at most
+    `share` of the `available` memory? Counts every 2-D float32 parameter once (an embedding a tied
+    head reads included, an untied one counted though never packed: the estimate errs towards off).
+    Unknown memory (`available` None) fits. Returns the answer and the bytes counted."""
+    seen: set[int] = set()
+    n = 0
+    for m in modules:
+        for p in m.parameters():
+            if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu" and id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * p.element_size()
+    return available is None or n <= share * available, n
+
+
 def packed(w: torch.Tensor) -> torch.Tensor:
     """`w` in oneDNN's packed layout, made on first use and kept on the tensor (made again if `w` was
     written since: its version counter moved). The weight is then held twice; the plain copy serves

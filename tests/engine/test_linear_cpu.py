@@ -54,3 +54,30 @@ def test_the_engine_setting_turns_the_packed_path_off() -> None:
         assert L.PACKED["on"] is True
     finally:
         L.PACKED["on"] = L.PACKED_AVAILABLE
+
+
+@needs_packed
+def test_the_packed_copies_stay_off_where_they_would_not_fit_in_memory() -> None:
+    """The packed copies hold the weights a second time: an engine whose float32 matrices would take
+    over half the available memory keeps MKL's products and says why; with room, or with the amount
+    unknown, it packs. Shared weights (a tied head) count once."""
+    from mleagle.engine.core.engine import Engine
+
+    try:
+        e = Engine("tiny-dummy", device="cpu", dtype="float32", max_running_requests=2, max_total_tokens=512,
+                   draft="none")
+        mods = [r.model for r in e.runners]
+        fits, n = L.packed_fits(mods, None)
+        mats = {id(p): p for m in mods for p in m.parameters() if p.dim() == 2}
+        assert fits and n == sum(p.numel() * 4 for p in mats.values()) > 0
+        assert e.packed_linear["on"] and L.PACKED["on"] and e.stats()["cpu_packed_linear"]["on"]
+        assert L.packed_fits(mods, 2 * n) == (True, n) and L.packed_fits(mods, 2 * n - 1) == (False, n)
+        info = e._packed_linear(available=n)  # half of what is left is less than the copies
+        assert info["on"] is False and L.PACKED["on"] is False and "available memory" in info["reason"]
+        w, x = torch.randn(16, 8), torch.randn(4, 8)
+        L.linear(x, w)
+        assert not hasattr(w, "_mleagle_packed")
+        assert e._packed_linear(available=None)["on"] and L.PACKED["on"]
+        assert L.available_memory() is None or L.available_memory() > 0
+    finally:
+        L.PACKED["on"] = L.PACKED_AVAILABLE
