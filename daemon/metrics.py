@@ -9,8 +9,8 @@ layer (`mleagle:spec_decode_num_accepted_tokens_per_pos{position}`) and are summ
 statistics the engine hands back with each finished request; the acceptance length and rate gauges
 (SGLang style) and the per-layer draft overhead are derived from those sums. The speculation policy's
 series (`mleagle:spec_policy_*`: iterations per draft depth S', drafts accepted, depth switches,
-explored iterations, draft catch-ups with their positions and time, and gauges of the latest depth and
-its predicted and measured gain) come from the policy's snapshot in the engine's pongs; its totals are
+explored iterations, draft catch-ups with their positions and time, and gauges of the latest depth,
+its predicted and measured gain, and the served discount on drafting per batch-size bucket) come from the policy's snapshot in the engine's pongs; its totals are
 cumulative in the engine, so the counters advance by what grew since the previous pong, and a
 speculative engine alone creates them. One registry per app, so several servers in one process (tests)
 never collide.
@@ -105,6 +105,9 @@ class Metrics:
         self.pol_measured = Gauge(P + "spec_policy_measured_gain",
                                   "Latest measured tokens/s over depth 0's in its batch-size bucket (0: not yet)", lab,
                                   registry=r)
+        self.pol_discount = Gauge(P + "spec_policy_served_discount",
+                                  "Where drafting cost more served than at warm-up: the discount served rates put on "
+                                  "drafting, per batch-size bucket (1: none)", [*lab, "bucket"], registry=r)
         self._pol_seen: dict[str, float] = {}  # the engine's totals at the last pong
         self._pol_epoch = 0
         self._spec = SpecStats()
@@ -189,6 +192,8 @@ class Metrics:
         self.pol_depth.labels(m).set(_num(snap.get("depth")))
         self.pol_predicted.labels(m).set(_num(snap.get("predicted_gain")))
         self.pol_measured.labels(m).set(_num(snap.get("measured_gain")))
+        for b, f in (snap.get("slow") or {}).items():
+            self.pol_discount.labels(m, str(b)).set(_num(f))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -226,7 +226,8 @@ class SpecPolicyTotals(BaseModel):
     """What the speculation policy did since the engine started serving (its warm-up is forgotten), in
     the engine status: iterations per depth (index = S'), drafts accepted (the tokens speculation gained
     beyond one per request and iteration), iterations spent exploring, depth switches, draft catch-ups
-    with the positions they filled and their time, and the policy's choices with their mean host time."""
+    with the positions they filled and their time, the policy's choices with their mean host time, and
+    where served timings discount drafting."""
 
     model_config = ConfigDict(extra="ignore")
     mode: str = ""
@@ -239,6 +240,9 @@ class SpecPolicyTotals(BaseModel):
     catch_up_s: float = 0.0
     choose_calls: int = 0
     choose_mean_s: float = 0.0
+    # Batch-size buckets ("64": sizes up to 64) where drafting cost more under traffic than the warm-up
+    # timed, with the discount served rates put on drafting there (1.0: none; see engine/spec/policy.py).
+    served_discount: dict[str, float] = Field(default_factory=dict)
 
 
 class TopToken(BaseModel):

@@ -257,4 +257,5 @@ def policy_totals(p: SpecPolicy | None) -> ev.SpecPolicyTotals | None:
         mode=p.mode, iterations_by_depth=list(st.iterations_by_depth), tokens_gained=st.tokens_gained,
         explore_iterations=st.explore_iterations, switches=st.switches, catch_ups=st.catch_ups,
         catch_up_positions=st.catch_up_positions, catch_up_s=st.catch_up_s, choose_calls=st.choose_calls,
-        choose_mean_s=st.choose_s / st.choose_calls if st.choose_calls else 0.0)
+        choose_mean_s=st.choose_s / st.choose_calls if st.choose_calls else 0.0,
+        served_discount=p.slow_discounts())

@@ -265,6 +265,12 @@ class SpecPolicy:
         served = t / (self.cost_mean[(b, cur)] + self.fill_cost * self.fills_per_token * bs * t)
         return served < (1 + self.slack) / self.primed.get((b, 0), self.cost[(b, 0)])
 
+    def slow_discounts(self) -> dict[str, float]:
+        """Per bucket where drafting cost more served than at warm-up (`_plain_unserved`), the discount
+        served rates put on drafting there (`served_discount`: 1.0 where they confirm the prediction)."""
+        return {str(b): round(self.served_discount(b, abs(b), {d: self.rate(b, d, abs(b)) for d in self.choices}), 3)
+                for b in sorted(self.slow) if all((b, d) in self.cost for d in self.choices)}
+
     def served_discount(self, b: int, bs: int, rates: dict[int, float]) -> float:
         """What drafting really gains over plain steps under traffic, as a share of what the capped
         costs predict (1.0 where it gains at least that, or where nothing says otherwise): in a bucket
@@ -554,8 +560,6 @@ class SpecPolicy:
             "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_token": round(self.fills_per_token, 5),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             "primed_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.primed.items())},
-            # Buckets where drafting cost more served than at warm-up, and what served rates say of it there.
-            "slow": {str(b): round(self.served_discount(b, abs(b), {d: self.rate(b, d, abs(b)) for d in self.choices}), 3)
-                     for b in sorted(self.slow) if all((b, d) in self.cost for d in self.choices)},
+            "slow": self.slow_discounts(),
             **{k: v for k, v in vars(self.stats).items()},
         }

@@ -69,6 +69,27 @@ def test_counters_follow_the_engine_totals() -> None:
     assert samples(m.render().decode())[it(0)] == 8
 
 
+def test_the_served_discount_per_bucket_is_a_gauge() -> None:
+    """A bucket where drafting cost far more served than at warm-up: the policy's discount there is
+    listed per bucket, and the engine status's totals carry it for the TUI."""
+    from mleagle.engine.service.telemetry import policy_totals
+
+    p = SpecPolicy("auto", 1, dwell=0, probe=4)
+    for d, c in [(1, 1.2)] * 9 + [(0, 1.0)] * 9:  # the warm-up's timings
+        p.observe(4, d, [1] * 4 if d else [], c)
+    p.reset(keep_costs=True)
+    for _ in range(60):  # served: depth 1 at five times its warm-up cost, depth 0 about as timed
+        d = p.choose(4)
+        p.observe(4, d.depth, [1] * 4 if d.depth else [], 6.0 if d.depth else 1.1)
+    m = Metrics("m")
+    m.set_policy(p.snapshot())
+    got = samples(m.render().decode())
+    f = got[("mleagle:spec_policy_served_discount", (("bucket", "4"), ("model_name", "m")))]
+    assert 0 < f < 1 and f == pytest.approx(p.slow_discounts()["4"])
+    tot = policy_totals(p)
+    assert tot is not None and tot.served_discount == {"4": f}
+
+
 KEY = "policy-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -112,3 +112,21 @@ async def test_policy_tab_from_a_real_engine(tmp_path: Path) -> None:
             if ln.split()[:1] in ([str(d)] for d in range(S + 1)) and "%" in ln}
     assert rows == {str(d): str(k) for d, k in enumerate(tot.iterations_by_depth)}
     assert f"drafts accepted {tot.tokens_gained}" in text and f"catch-ups {tot.catch_ups} (" in text
+
+
+async def test_the_served_check_shows_where_served_rates_discount_drafting(tmp_path: Path) -> None:
+    """The engine totals' served discounts appear below the totals, per bucket, smallest first; a
+    status without any (the snapshot above) shows no such line."""
+    evs = auto_session()
+    end = next(i for i, x in reversed(list(enumerate(evs))) if isinstance(x, EngineEvent))
+    tot = evs[end].spec_policy
+    assert tot is not None
+    evs[end] = evs[end].model_copy(update={"spec_policy": tot.model_copy(
+        update={"served_discount": {"64": 0.74, "32": 1.0}})})
+    write_recording(tmp_path / "slow.jsonl", evs, source="synthetic", created=1.0)
+    n = len(evs) - 1
+    app = replay_app(tmp_path / "slow.jsonl", n)
+    async with app.run_test(size=SIZE) as pilot:
+        await paused_at(n, "8")(pilot)
+        text = screen_text(app)
+    assert "served check bs<=32 1.00x  bs<=64 0.74x" in text

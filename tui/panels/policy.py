@@ -6,8 +6,10 @@ right, one digit each. The table has per depth the iterations the engine ran sin
 the status event's totals; before the first status, those this TUI saw), their share, and the mean
 predicted and measured gain over the decisions seen at that depth: a depth whose measured gain stays
 under its predicted one is costed too cheaply. Gains are tokens/s over depth 0's (1.00x: equal; "-":
-none, as in a fixed mode or while the policy measures). Sparklines: the predicted and the measured gain
-per iteration (0 where there was none). A target-only engine sends no policy events.
+none, as in a fixed mode or while the policy measures). Below the totals, "served check" lists the
+batch-size buckets where drafting cost more under traffic than the warm-up timed, with the discount
+served rates put on drafting there. Sparklines: the predicted and the measured gain per iteration (0
+where there was none). A target-only engine sends no policy events.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class PolicyPanel(Panel):
                 ("   explored ", "bold"), str(tot.explore_iterations),
                 ("\ncatch-ups ", "bold"), f"{tot.catch_ups} ({tot.catch_up_positions} positions, "
                                           f"{fmt_s(tot.catch_up_s)})",
-                ("   choices ", "bold"), f"{tot.choose_calls} ({fmt_s(tot.choose_mean_s)} each)"), "")
+                ("   choices ", "bold"), f"{tot.choose_calls} ({fmt_s(tot.choose_mean_s)} each)",
+                *((("\nserved check ", "bold"), served(tot.served_discount)) if tot.served_discount else ())), "")
         self.query_one("#pol-table", Static).update(g)
         self.query_one("#pol-pred", Sparkline).data = [e.predicted_gain for e in m.policy]
         self.query_one("#pol-meas", Sparkline).data = [e.measured_gain for e in m.policy]
@@ -99,6 +102,16 @@ class PolicyPanel(Panel):
             f"predicted gain per iteration  (last {fmt_f(last.predicted_gain)})")
         self.query_one("#lbl-pol-meas", Label).update(
             f"measured gain per iteration  (last {fmt_f(last.measured_gain)})")
+
+
+def served(discounts: dict[str, float]) -> str:
+    """The buckets where drafting cost more served than at warm-up, each with the discount served rates
+    put on drafting there: "bs<=32 0.86x  bs<=64 1.00x"."""
+    def name(b: int) -> str:  # a negative bucket is constrained batches'
+        return f"bs<={abs(b)}" + (" constrained" if b < 0 else "")
+
+    return "  ".join(f"{name(b)} {v:.2f}x" for b, v in sorted(((int(k), v) for k, v in discounts.items()),
+                                                               key=lambda kv: (kv[0] < 0, abs(kv[0]))))
 
 
 def bar_share(f: float) -> Text:
