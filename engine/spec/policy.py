@@ -171,7 +171,6 @@ class SpecPolicy:
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, depth) -> seconds per iteration
         self.primed: dict[tuple[int, int], float] = {}  # what the warm-up timed: a ceiling on `cost`
         self.samples: Counter[tuple[int, int]] = Counter()
-        self.cost_mean: dict[tuple[int, int], float] = {}  # the same window's clipped mean (`served_discount`)
         # Timings taken under traffic (not while priming), and the buckets where drafting cost more than
         # `slack` over its warm-up timing (`_plain_unserved`): there served rates may discount drafting.
         self.served: Counter[tuple[int, int]] = Counter()
@@ -234,10 +233,15 @@ class SpecPolicy:
         draft layers' pass over the prompts that arrive while it makes its tokens."""
         return self._per_second(b, depth, bs, self.tokens(depth, b < 0))
 
-    def _per_second(self, b: int, depth: int, bs: int, t: float) -> float:
-        """`rate` for `t` expected tokens per request an iteration."""
+    def _per_second(self, b: int, depth: int, bs: int, t: float, cost: float | None = None) -> float:
+        """`rate` for `t` expected tokens per request an iteration (at `cost` seconds an iteration, where
+        given, instead of `cost_of`)."""
         extra = self.fill_cost * self.fills_per_token * bs * t if depth else 0.0
-        return t / (self.cost_of(b, depth) + extra)
+        return t / ((self.cost_of(b, depth) if cost is None else cost) + extra)
+
+    def _served_rate(self, b: int, depth: int, bs: int) -> float:
+        """`rate` at what served iterations measured, uncapped, as the window's clipped mean."""
+        return self._per_second(b, depth, bs, self.tokens(depth, b < 0), _clipped_mean(self._recent[(b, depth)]))
 
     def cost_of(self, b: int, depth: int) -> float:
         """Seconds per iteration of `depth` in bucket `b`: the served median, at most the warm-up's."""
@@ -261,9 +265,7 @@ class SpecPolicy:
             return False
         if _median(self._recent[(b, cur)]) <= p * (1 + self.slack):  # most of the window, not a stall
             return False
-        t = self.tokens(cur, b < 0)
-        served = t / (self.cost_mean[(b, cur)] + self.fill_cost * self.fills_per_token * bs * t)
-        return served < (1 + self.slack) / self.primed.get((b, 0), self.cost[(b, 0)])
+        return self._served_rate(b, cur, bs) < (1 + self.slack) / self.primed.get((b, 0), self.cost[(b, 0)])
 
     def slow_discounts(self) -> dict[str, float]:
         """Per bucket where drafting cost more served than at warm-up (`_plain_unserved`), the discount
@@ -284,9 +286,7 @@ class SpecPolicy:
                 default=0)
         if not d or not rates.get(0) or not rates.get(d):
             return 1.0
-        t = self.tokens(d, b < 0)
-        served = t / (self.cost_mean[(b, d)] + self.fill_cost * self.fills_per_token * bs * t)
-        return min(1.0, served * self.cost_mean[(b, 0)] / (rates[d] / rates[0]))
+        return min(1.0, self._served_rate(b, d, bs) / self._served_rate(b, 0, bs) / (rates[d] / rates[0]))
 
     @staticmethod
     def key(bs: int, constrained: bool) -> int:
@@ -512,7 +512,6 @@ class SpecPolicy:
         q = self._recent.setdefault(key, deque(maxlen=self.window))
         q.append(seconds)
         self.cost[key] = _median(q)
-        self.cost_mean[key] = _clipped_mean(q)
         self.samples[key] += 1
         if not self.priming:
             self.served[key] += 1
@@ -530,7 +529,7 @@ class SpecPolicy:
         """Forget everything learned (the engine's warm-up runs prompts that are not the traffic), or
         everything but the timings (`keep_costs`: what an iteration of each depth costs in each bucket,
         a catch-up and a draft fill cost the same whatever the prompts)."""
-        kept = (self.cost, self.cost_mean, self.samples, self._recent, self.catch_up_cost, self.fill_cost)
+        kept = (self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost)
         primed = {**self.primed, **self.cost}
         self.__init__(self.mode, self.steps, explore_every=self.explore_every,  # type: ignore[misc]
                       acc_alpha=self.acc_alpha, margin=self.margin, min_samples=self.min_samples,
@@ -538,7 +537,7 @@ class SpecPolicy:
                       publish=self.publish, min_evidence=self.min_evidence, probe=self.probe,
                       slack=self.slack)
         if keep_costs:
-            self.cost, self.cost_mean, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
+            self.cost, self.samples, self._recent, self.catch_up_cost, self.fill_cost = kept
             self.primed = primed  # the warm-up's timings: a ceiling on what served iterations measure
 
     @property

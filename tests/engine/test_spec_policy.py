@@ -18,7 +18,7 @@ import torch
 
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.core.engine import EngineInputError
-from mleagle.engine.spec.policy import Decision, SpecPolicy, size_bucket
+from mleagle.engine.spec.policy import Decision, SpecPolicy, _clipped_mean, size_bucket
 from tests.spec_helpers import all_free, greedy, oracle_engine, run, tiny_engine
 
 PROMPTS = [[1, 2, 3], list(range(5, 16)), [100], [7, 7, 7, 7, 7], list(range(30, 47)), [200, 3, 9, 41, 5, 6, 77, 8, 90]]
@@ -626,14 +626,16 @@ def test_the_served_discount_keeps_the_order_among_drafting_depths() -> None:
 
 
 def test_a_stall_moves_the_served_mean_little_and_a_shared_tail_counts() -> None:
+    """The served check's cost (`_clipped_mean`): one stall is cut to 4x the median; a tail every other
+    iteration shares counts in full, where the median (the cost the policy chooses by) ignores both."""
     p = SpecPolicy("auto", 1)
-    for c in [1.0] * 8 + [100.0]:  # one stall: cut to 4x the median
+    for c in [1.0] * 8 + [100.0]:
         p.observe(4, 1, [1] * 4, c)
-    assert p.cost_mean[(4, 1)] == pytest.approx((8 + 4) / 9) and p.cost[(4, 1)] == 1.0
+    assert _clipped_mean(p._recent[(4, 1)]) == pytest.approx((8 + 4) / 9) and p.cost[(4, 1)] == 1.0
     q = SpecPolicy("auto", 1)
     for c in [1.0, 3.0] * 4 + [1.0]:  # every other iteration slow: the median says 1, the rate 1.9
         q.observe(4, 1, [1] * 4, c)
-    assert q.cost_mean[(4, 1)] == pytest.approx(17 / 9) and q.cost[(4, 1)] == 1.0
+    assert _clipped_mean(q._recent[(4, 1)]) == pytest.approx(17 / 9) and q.cost[(4, 1)] == 1.0
 
 
 def test_a_look_at_the_runner_up_lasts_probe_iterations() -> None:
