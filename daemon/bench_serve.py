@@ -320,7 +320,7 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     # draft layers' pass over arriving prompts. These say why `auto` chose what it did.
     b0, b1 = pb.get("iterations_by_bucket") or {}, pa.get("iterations_by_bucket") or {}
     out["iterations_by_bucket"] = {k: _minus(v, b0.get(k) or []) for k, v in b1.items() if v != b0.get(k)}
-    out["beliefs"] = {k: pa[k] for k in ("cost_ms", "primed_ms", "slow", "acceptance", "acceptance_seen", "catch_up_cost_ms",
+    out["beliefs"] = {k: pa[k] for k in ("cost_ms", "primed_ms", "served_discount", "acceptance", "acceptance_seen", "catch_up_cost_ms",
                                          "fill_cost_ms", "fills_per_token") if k in pa}
     return out
 

@@ -192,7 +192,7 @@ class Metrics:
         self.pol_depth.labels(m).set(_num(snap.get("depth")))
         self.pol_predicted.labels(m).set(_num(snap.get("predicted_gain")))
         self.pol_measured.labels(m).set(_num(snap.get("measured_gain")))
-        for b, f in (snap.get("slow") or {}).items():
+        for b, f in (snap.get("served_discount") or {}).items():
             self.pol_discount.labels(m, str(b)).set(_num(f))
 
     def render(self) -> bytes:

@@ -180,7 +180,9 @@ class Engine:
         e = cfg.engine
         if e.threads:
             torch.set_num_threads(e.threads)
-        PACKED["on"] = e.cpu_packed_linear and PACKED_AVAILABLE  # the CPU's float32 GEMMs (layers/linear.py)
+        # The CPU's float32 GEMMs (layers/linear.py); `_packed_linear` decides again once the weights,
+        # drafts and pools are in place and the memory left is known.
+        PACKED["on"] = e.cpu_packed_linear and PACKED_AVAILABLE
         try:
             self.attention_backend = resolve_backend(e.attention_backend, e.device)
             if self.attention_backend == "flashinfer":

@@ -258,4 +258,4 @@ def policy_totals(p: SpecPolicy | None) -> ev.SpecPolicyTotals | None:
         explore_iterations=st.explore_iterations, switches=st.switches, catch_ups=st.catch_ups,
         catch_up_positions=st.catch_up_positions, catch_up_s=st.catch_up_s, choose_calls=st.choose_calls,
         choose_mean_s=st.choose_s / st.choose_calls if st.choose_calls else 0.0,
-        served_discount=p.slow_discounts())
+        served_discount=p.served_discounts())

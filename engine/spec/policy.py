@@ -267,7 +267,7 @@ class SpecPolicy:
             return False
         return self._served_rate(b, cur, bs) < (1 + self.slack) / self.primed.get((b, 0), self.cost[(b, 0)])
 
-    def slow_discounts(self) -> dict[str, float]:
+    def served_discounts(self) -> dict[str, float]:
         """Per bucket where drafting cost more served than at warm-up (`_plain_unserved`), the discount
         served rates put on drafting there (`served_discount`: 1.0 where they confirm the prediction)."""
         return {str(b): round(self.served_discount(b, abs(b), {d: self.rate(b, d, abs(b)) for d in self.choices}), 3)
@@ -559,6 +559,6 @@ class SpecPolicy:
             "fill_cost_ms": round(self.fill_cost * 1e3, 3), "fills_per_token": round(self.fills_per_token, 5),
             "cost_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.cost.items())},
             "primed_ms": {f"{b}:{d}": round(c * 1e3, 3) for (b, d), c in sorted(self.primed.items())},
-            "slow": self.slow_discounts(),
+            "served_discount": self.served_discounts(),
             **{k: v for k, v in vars(self.stats).items()},
         }

@@ -85,7 +85,7 @@ def test_the_served_discount_per_bucket_is_a_gauge() -> None:
     m.set_policy(p.snapshot())
     got = samples(m.render().decode())
     f = got[("mleagle:spec_policy_served_discount", (("bucket", "4"), ("model_name", "m")))]
-    assert 0 < f < 1 and f == pytest.approx(p.slow_discounts()["4"])
+    assert 0 < f < 1 and f == pytest.approx(p.served_discounts()["4"])
     tot = policy_totals(p)
     assert tot is not None and tot.served_discount == {"4": f}
 

@@ -601,7 +601,7 @@ def test_drafting_that_costs_far_more_served_than_at_warm_up_is_weighed_against_
     assert i > p.window // 2 and [d.depth for d in picks[i : i + p.probe]] == [0] * p.probe
     # The served rates put drafting's gain at about 1x, where the capped costs say 3.3x: depth 0 runs.
     assert p.slow == {8} and {d.depth for d in picks[-16:]} == {0}
-    assert p.snapshot()["slow"]["8"] * 4 / 1.2 == pytest.approx(1.0, abs=0.05)
+    assert p.snapshot()["served_discount"]["8"] * 4 / 1.2 == pytest.approx(1.0, abs=0.05)
     q = _primed(3, {0: 1.0, 3: 1.2})
     picks = _served(q, 8, {0: 1.1, 3: 1.45}, 40)
     assert {d.depth for d in picks} == {3} and not q.slow
@@ -620,7 +620,7 @@ def test_the_served_discount_keeps_the_order_among_drafting_depths() -> None:
     is not chosen over it."""
     p = _primed(5, {0: 1.0, 3: 1.1, 5: 1.2})
     picks = _served(p, 8, {0: 1.1, 3: 3.0, 5: 5.5}, 60)
-    assert p.slow == {8} and p.snapshot()["slow"]["8"] == pytest.approx(6 / 5.5 * 1.1 / 5, rel=0.05)
+    assert p.slow == {8} and p.snapshot()["served_discount"]["8"] == pytest.approx(6 / 5.5 * 1.1 / 5, rel=0.05)
     assert [d.depth for d in picks if not d.reason.startswith("explore")] and {
         d.depth for d in picks if not d.reason.startswith("explore")} == {5}
 
