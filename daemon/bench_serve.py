@@ -194,7 +194,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         tw0, d0 = before["t"], before["d"]
         dm0 = d0.get("daemon", {})
         cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
-        summ = summarize(results, dur, args.concurrency or 0)
+        first_wave = args.concurrency or 0
+        summ = summarize(results, dur, first_wave)
+        steady_ids = {r.id for r in results[first_wave:] if r.ok and r.id}
         # Each client process is one asyncio loop parsing every SSE chunk: near a whole core, its own
         # queueing is in the TTFT and ITL it reports (the server's TTFT split is not). The busiest one.
         summ["client_procs"] = procs
@@ -213,7 +215,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
                       "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
                       "ttft_phases": phase_summary(dm.get("ttft_phases")),
-                      "ttft_outside": outside_split(results, dm.get("ttft_phases")),
+                      # the same split over the requests sent after the opening burst
+                      "ttft_phases_steady": phase_summary(dm.get("ttft_phases"), steady_ids),
+                      "ttft_outside": outside_split(results, dm.get("ttft_phases"), first_wave),
                       "daemon_gc": gc_summary(dm0.get("gc"), dm.get("gc")),
                       "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"),
                                                   window),
@@ -325,7 +329,7 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return out
 
 
-def outside_split(results: list[Result], ph: dict[str, Any] | None) -> dict[str, Any] | None:
+def outside_split(results: list[Result], ph: dict[str, Any] | None, first_wave: int = 0) -> dict[str, Any] | None:
     """The part of each request's TTFT the server's split does not see, matched by response id: from
     the client sending it to the daemon's route beginning (`before_route`: the connection, the HTTP
     parser, the loop's queue before the handler) and from the daemon writing the first frame to the
@@ -333,31 +337,42 @@ def outside_split(results: list[Result], ph: dict[str, Any] | None) -> dict[str,
     just after its write, so a client that reads at once can come out a hair negative). One clock: the
     client and the server share a host (a remote server's marks are on another clock: then the
     figures are meaningless, and a loopback URL is what `serve-matrix` uses). Means, p50 and p90 in ms,
-    and their means over the requests slowest by client TTFT."""
+    and their means over the requests slowest by client TTFT; `steady` has the same figures over the
+    requests sent after the first `first_wave` (a closed loop's opening burst queues its own intake)."""
     if not ph or not ph.get("recent"):
         return None
     n = len(ph["names"])
     marks = {r[1 + n]: (r[2 + n], r[3 + n]) for r in ph["recent"] if len(r) >= n + 4}
-    got = [(r.ttft, marks[r.id][0] - r.t_send, r.t_first - marks[r.id][1]) for r in results
-           if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
-    if not got:
-        return None
-    slow = _slowest_tenth(got, key=lambda g: g[0])
-    out: dict[str, Any] = {"requests": len(got)}
-    for i, k in ((1, "before_route"), (2, "after_write")):
-        out[k] = _tail_stats([g[i] for g in got], [g[i] for g in slow])
+    def split(rs: list[Result]) -> dict[str, Any] | None:
+        got = [(r.ttft, marks[r.id][0] - r.t_send, r.t_first - marks[r.id][1]) for r in rs
+               if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
+        if not got:
+            return None
+        slow = _slowest_tenth(got, key=lambda g: g[0])
+        out: dict[str, Any] = {"requests": len(got)}
+        for i, k in ((1, "before_route"), (2, "after_write")):
+            out[k] = _tail_stats([g[i] for g in got], [g[i] for g in slow])
+        return out
+
+    out = split(results)
+    if out is not None and first_wave:
+        out["steady"] = split(results[first_wave:])
     return out
 
 
-def phase_summary(ph: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The server's TTFT split (`/debug/engine`'s `ttft_phases`) over this run's requests: per phase
-    its mean, p50 and p90 in ms, and its mean over the slowest tenth of the requests (by the split's
-    total), which says what the tail of the TTFT is made of."""
+def phase_summary(ph: dict[str, Any] | None, ids: set[str] | None = None) -> dict[str, Any] | None:
+    """The server's TTFT split (`/debug/engine`'s `ttft_phases`) over this run's requests (with `ids`,
+    over the responses of those ids only): per phase its mean, p50 and p90 in ms, and its mean over
+    the slowest tenth of the requests (by the split's total), which says what the tail of the TTFT is
+    made of."""
     if not ph or not ph.get("recent"):
         return None
     names = ph["names"]
+    recent = [r for r in ph["recent"] if ids is None or (len(r) > 1 + len(names) and r[1 + len(names)] in ids)]
+    if not recent:
+        return None
     # each record's phases, then their total (summarised like a phase, and what ranks the slowest)
-    rows = [[*r[1:1 + len(names)], sum(r[1:1 + len(names)])] for r in ph["recent"]]
+    rows = [[*r[1:1 + len(names)], sum(r[1:1 + len(names)])] for r in recent]
     slow = _slowest_tenth(rows, key=lambda r: r[-1])
     return {"requests": len(rows),
             "phases": {n: _tail_stats([r[i] for r in rows], [r[i] for r in slow]) for i, n in enumerate([*names, "total"])}}
@@ -512,6 +527,12 @@ def table(res: dict[str, Any]) -> str:
             if out:
                 lines.append(f"TTFT outside the split, ms ({out['requests']} requests; slow 10%: by client TTFT)")
                 lines += [row(n, out[n]) for n in ("before_route", "after_write")]
+            st, st_out = srv.get("ttft_phases_steady"), (out or {}).get("steady")
+            if st:
+                lines.append(f"after the first wave, ms ({st['requests']} requests)")
+                lines += [row(n, v) for n, v in st["phases"].items()]
+                if st_out:
+                    lines += [row(n, st_out[n]) for n in ("before_route", "after_write")]
     if res["errors"]:
         lines.append(f"{'errors':<28}{res['errors']}")
     return "\n".join(lines)

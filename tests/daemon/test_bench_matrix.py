@@ -199,6 +199,13 @@ def test_the_ttft_split_summary_names_what_the_slowest_tenth_spent() -> None:
     assert s["phases"]["prefill"]["slowest_tenth_mean_ms"] == pytest.approx(2.0)
     assert s["phases"]["total"]["slowest_tenth_mean_ms"] == pytest.approx(48.0)
     assert phase_summary(None) is None and phase_summary({"names": names, "seq": 0, "recent": []}) is None
+    # Over the records of chosen responses only (the requests after a closed loop's opening burst):
+    # a record carries its response id after the phases.
+    ided = [[*r, f"id{r[0]}"] for r in fast + slow]
+    st = phase_summary({"names": names, "seq": 20, "recent": ided}, {"id1", "id2", "id20"})
+    assert st is not None and st["requests"] == 3
+    assert st["phases"]["queue"]["mean_ms"] == pytest.approx(50 / 3)
+    assert phase_summary({"names": names, "seq": 20, "recent": ided}, {"id99"}) is None
 
 
 def test_the_speculation_summary_is_the_runs_share_of_the_counters() -> None:
@@ -273,6 +280,9 @@ def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
         assert out["requests"] == 7 and out["before_route"]["p50_ms"] > 0 and out["after_write"]["p50_ms"] > -1, out
         assert out["before_route"]["mean_ms"] + out["after_write"]["mean_ms"] < res["ttft_ms"]["mean"]
         assert "TTFT outside the split" in r.stdout
+        # The same split over the 4 requests sent after the first wave of 3 (the concurrency).
+        assert out["steady"]["requests"] == 4 and res["server"]["ttft_phases_steady"]["requests"] == 4
+        assert "after the first wave, ms (4 requests)" in r.stdout
         # The daemon froze what start-up built once its engine was ready, and counts its collections.
         g = res["server"]["daemon_gc"]
         assert g["frozen"] > 10_000 and len(g["collections"]) == 3 and sum(g["collections"]) > 0, g
