@@ -305,6 +305,8 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     }
     for k in ("switches", "explore_iterations", "catch_ups", "catch_up_positions"):
         out[k] = pa.get(k, 0) - pb.get(k, 0)
+    why0, why1 = pb.get("explore_by_reason") or {}, pa.get("explore_by_reason") or {}
+    out["explore_by_reason"] = {k: v - why0.get(k, 0) for k, v in why1.items() if v != why0.get(k, 0)}
     out["catch_up_ms"] = 1e3 * (pa.get("catch_up_s", 0.0) - pb.get("catch_up_s", 0.0))
     out["fills"] = pa.get("fills", 0) - pb.get("fills", 0)
     out["fill_ms"] = 1e3 * (pa.get("fill_s", 0.0) - pb.get("fill_s", 0.0))
@@ -515,6 +517,8 @@ def table(res: dict[str, Any]) -> str:
                              for d, v in (sp.get("by_depth") or {}).items())
             if made:
                 lines.append(f"{'  made by depth':<28}{made}")
+            if sp.get("explore_by_reason"):
+                lines.append(f"{'  explored for':<28}" + "; ".join(f"{k}: {v}" for k, v in sp["explore_by_reason"].items()))
         ph = srv.get("ttft_phases")
         if ph:
             lines.append(f"TTFT split in the server, ms ({ph['requests']} requests){'mean':>10}{'p50':>10}{'p90':>10}"

@@ -131,6 +131,9 @@ class PolicyStats:
     iterations_by_bucket: dict[str, list[int]] = field(default_factory=dict)
     tokens_gained: int = 0  # accepted drafts: tokens beyond one per request-iteration
     explore_iterations: int = 0
+    # The same by why they explored (the reason after "explore: "): a look at the runner-up, a depth
+    # not measured yet, the served check's look at depth 0 ...
+    explore_by_reason: dict[str, int] = field(default_factory=dict)
     switches: int = 0
     catch_ups: int = 0
     catch_up_positions: int = 0
@@ -160,7 +163,8 @@ class SpecPolicy:
         self.explore_every, self.acc_alpha, self.margin = explore_every, acc_alpha, margin
         self.min_samples, self.window, self.horizon, self.dwell = min_samples, window, horizon, dwell
         self.min_evidence, self.probe, self.slack = min_evidence, probe, slack
-        self._probing: dict[int, tuple[int, int]] = {}  # bucket -> (runner-up depth, iterations left)
+        # bucket -> (the depth looked at, iterations left, why): a look goes on for `probe` iterations
+        self._probing: dict[int, tuple[int, int, str]] = {}
         # The depths `auto` chooses from: none and all by default (each depth in between would make the
         # layers past it fall behind and catch up on every switch; `cycle` runs every depth).
         self.choices = sorted(set(choices)) if choices is not None else sorted({0, steps})
@@ -301,6 +305,10 @@ class SpecPolicy:
         self.stats.choose_calls += 1
         if d.depth != self.last.depth:
             self.stats.switches += 1
+        if d.reason.startswith("explore: "):
+            self.stats.explore_iterations += 1
+            why = d.reason[9:]
+            self.stats.explore_by_reason[why] = self.stats.explore_by_reason.get(why, 0) + 1
         self.last = d
         return d
 
@@ -323,7 +331,6 @@ class SpecPolicy:
         self._since[b] += 1
         for d in self._first:  # the deepest first: it measures every acceptance rate
             if self.samples[(b, d)] < self.needed:
-                self.stats.explore_iterations += 1
                 return Decision(d, "explore: not measured yet")
         # Timed but never seen accepting (the warm-up timed this bucket on its own prompts and forgot
         # their acceptance): with every a_j at 0 a drafting depth would look like one token an
@@ -331,24 +338,22 @@ class SpecPolicy:
         rates = {d: self.rate(b, d, bs) for d in self.choices}
         x = self._to_measure(b, bs, rates)
         if x is not None:
-            self.stats.explore_iterations += 1
             return Decision(x, "explore: acceptance not measured yet")
         probing = self._probing.pop(b, None)
         if probing is None and self._plain_unserved(b, bs):
             # Drafting costs more under traffic than at warm-up: time depth 0 under the same traffic
             # (`probe` iterations), so that the two compare on served costs from now on.
             self.slow.add(b)
-            self._probing[b] = (0, self.probe - 1)
-            self.stats.explore_iterations += 1
-            return Decision(0, "explore: drafting costs more served than at warm-up", 1.0)
+            why = "explore: drafting costs more served than at warm-up"
+            self._probing[b] = (0, self.probe - 1, why)
+            return Decision(0, why, 1.0)
         f = self.served_discount(b, bs, rates)
         if f < 1.0:
             rates = {d: r * f if d else r for d, r in rates.items()}
-        if probing is not None and probing[1] > 0:  # a look at the runner-up goes on for `probe` iterations
-            d, left = probing
-            self._probing[b] = (d, left - 1)
-            self.stats.explore_iterations += 1
-            return Decision(d, "explore: runner-up", rates[d] / rates[0] if 0 in rates else 0.0)
+        if probing is not None and probing[1] > 0:  # a look goes on for `probe` iterations
+            d, left, why = probing
+            self._probing[b] = (d, left - 1, why)
+            return Decision(d, why, rates[d] / rates[0] if 0 in rates else 0.0)
         best = max(rates, key=lambda d: rates[d])
         cur = self.current.get(b, best)
         # A switch within the bucket needs a clear gain, and none within `dwell` visits of the last:
@@ -376,8 +381,7 @@ class SpecPolicy:
         if look and self.visits[b] % self.explore_every == 0 and rates[second] * 1.25 > rates[best]:
             # `probe` iterations in a row: a deeper look pays its catch-up once for all of them, and its
             # last drafts' rates get more than the one request-iteration a batch of 1 gives per look.
-            self._probing[b] = (second, self.probe - 1)
-            self.stats.explore_iterations += 1
+            self._probing[b] = (second, self.probe - 1, "explore: runner-up")
             return Decision(second, "explore: runner-up", rates[second] / rates[0] if 0 in rates else 0.0)
         return Decision(best, reason, rates[best] / rates[0] if 0 in rates else 0.0)
 

@@ -216,12 +216,14 @@ def test_the_speculation_summary_is_the_runs_share_of_the_counters() -> None:
     pol = {"iterations_by_depth": [10, 0, 5], "switches": 1, "explore_iterations": 4, "catch_ups": 0,
            "catch_up_positions": 0, "catch_up_s": 0.0, "fills": 3, "fill_s": 0.001, "choose_s": 0.001,
            "choose_calls": 15, "iterations_by_bucket": {"1": [10, 0, 0], "8": [0, 0, 5]},
+           "explore_by_reason": {"not measured yet": 4},
            "rows_by_depth": [10, 0, 40], "tokens_by_depth": [10, 0, 90], "seconds_by_depth": [0.01, 0.0, 0.0075],
            "timed_by_depth": [10, 0, 5]}
     before = {"spec_policy": pol, "spec": {"num_verify": 5, "num_accepted_tokens": 9}}
     after = {"spec_policy": pol | {"iterations_by_depth": [40, 0, 65], "switches": 3, "catch_ups": 2,
                                    "catch_up_positions": 30, "catch_up_s": 0.004, "fills": 7, "fill_s": 0.003,
                                    "choose_s": 0.0028, "choose_calls": 105,
+                                   "explore_by_reason": {"not measured yet": 4, "runner-up": 8},
                                    "iterations_by_bucket": {"1": [10, 0, 0], "8": [30, 0, 60]},
                                    "cost_ms": {"8:0": 1.0, "8:2": 1.5}, "fill_cost_ms": 0.4,
                                    "rows_by_depth": [250, 0, 520], "tokens_by_depth": [250, 0, 1410],
@@ -236,6 +238,7 @@ def test_the_speculation_summary_is_the_runs_share_of_the_counters() -> None:
     assert s["fills"] == 4 and s["fill_ms"] == pytest.approx(2.0)
     assert s["choose_us"] == pytest.approx(20.0)  # 1.8 ms over 90 choices
     assert s["iterations_by_bucket"] == {"8": [30, 0, 55]}  # bucket 1 ran nothing in this run
+    assert s["explore_by_reason"] == {"runner-up": 8}  # the run's own looks, by why
     # What each depth made in this run: depth 2's 480 request-iterations 1320 tokens, 60 timed at 1.5 ms.
     assert s["by_depth"] == {"0": {"rows": 240, "tokens_per_row": 1.0, "ms_per_iteration": 1.0},
                              "2": {"rows": 480, "tokens_per_row": 2.75, "ms_per_iteration": 1.5}}

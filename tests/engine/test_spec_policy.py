@@ -599,6 +599,10 @@ def test_drafting_that_costs_far_more_served_than_at_warm_up_is_weighed_against_
     reasons = [d.reason for d in picks]
     i = reasons.index("explore: drafting costs more served than at warm-up")
     assert i > p.window // 2 and [d.depth for d in picks[i : i + p.probe]] == [0] * p.probe
+    # The look says why for all of its iterations, and the stats count them by that reason.
+    assert reasons[i : i + p.probe] == [reasons[i]] * p.probe
+    assert p.stats.explore_by_reason["drafting costs more served than at warm-up"] == p.probe
+    assert sum(p.stats.explore_by_reason.values()) == p.stats.explore_iterations
     # The served rates put drafting's gain at about 1x, where the capped costs say 3.3x: depth 0 runs.
     assert p.slow == {8} and {d.depth for d in picks[-16:]} == {0}
     assert p.snapshot()["served_discount"]["8"] * 4 / 1.2 == pytest.approx(1.0, abs=0.05)
