@@ -214,6 +214,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_torch_loaded": dm.get("torch_loaded"), "daemon_cpu_s": cpu,
                       "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
                       "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
+                      # token deltas of later steps merged into an earlier step's because the daemon's
+                      # loop was behind (read several steps at once): writes it did not have to make
+                      "daemon_coalesced": dm["coalesced"] - dm0["coalesced"] if "coalesced" in dm and "coalesced" in dm0 else None,
                       "ttft_phases": phase_summary(dm.get("ttft_phases")),
                       # the same split over the requests sent after the opening burst
                       "ttft_phases_steady": phase_summary(dm.get("ttft_phases"), steady_ids),
@@ -494,8 +497,10 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"{'peak RSS daemon/engine (MB)':<28}{srv.get('daemon_max_rss_mb') or 0:.0f} / "
                      f"{srv.get('engine_max_rss_mb') or 0:.0f}")
         if srv.get("daemon_cpu_us_per_token") is not None:
+            co = srv.get("daemon_coalesced")
             lines.append(f"{'daemon CPU per token (us)':<28}{srv['daemon_cpu_us_per_token']:.1f}"
-                         f" ({100 * srv['daemon_cpu_share']:.0f} % of one core)")
+                         f" ({100 * srv['daemon_cpu_share']:.0f} % of one core"
+                         + (f"; {co} token deltas coalesced)" if co is not None else ")"))
         g = srv.get("daemon_gc")
         if g:
             lines.append(f"{'daemon GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "

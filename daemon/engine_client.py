@@ -168,6 +168,7 @@ class EngineClient:
         self.last_pong: Pong | None = None
         self.last_pong_t = 0.0
         self.reqs: dict[str, _Req] = {}
+        self.coalesced = 0  # token-only deltas merged into an earlier step's of the same batch (`_on_msgs`)
         self.events_full = False  # someone watches the state events: every step's, not a sample
         for d in sweep_stale_run_dirs():
             log.info("removed the run dir of a daemon that is gone: %s", d)
@@ -284,16 +285,34 @@ class EngineClient:
             self.on_events(gen.n, batch)
 
     def _on_msgs(self, gen: _Gen, batch: list[bytes]) -> None:
-        """Everything the engine sent since the last wake-up (its reader's callback)."""
+        """Everything the engine sent since the last wake-up (its reader's callback). Where that is
+        several steps (the daemon fell behind), a request's token-only deltas of consecutive steps go
+        to its stream as one (`_on_msg`): one frame and one socket write instead of one per step, so a
+        loop that falls behind catches up instead of writing every step it missed."""
         if gen is self.gen:
             self.last_seen = time.monotonic()  # any message at all is a sign of life
+        held: dict[str, TokenOutput] = {}
         for data in batch:
             try:
-                self._on_msg(data)
+                self._on_msg(data, held)
             except Exception:  # one bad message (or callback) must not drop the rest of the batch
                 log.exception("failed to handle an engine message")
+        self._release(held)
 
-    def _on_msg(self, data: bytes) -> None:
+    def _release(self, held: dict[str, TokenOutput]) -> None:
+        """Deliver the token-only deltas `_on_msg` held back, and forget them."""
+        for t in held.values():
+            try:
+                self._deliver(t)
+            except Exception:  # one stream's failure must not keep the others' tokens
+                log.exception("failed to deliver an engine output")
+        held.clear()
+
+    def _on_msg(self, data: bytes, held: dict[str, TokenOutput] | None = None) -> None:
+        """One engine message. With `held` (the batch's), a token-only delta is held back there,
+        merged with the request's earlier ones in the batch, and delivered before anything else of
+        that request (a whole `RequestOutput`: logprobs, timing, the end) or before any other kind
+        of message; the caller delivers what is left (`_release`). Without it, delivered at once."""
         try:
             msg = decode_engine_msg(data)
         except ValueError as e:
@@ -301,12 +320,26 @@ class EngineClient:
             return
         if isinstance(msg, Outputs):
             for rid, ids, _, n_out, n_cached in msg.tokens:
-                self._deliver(TokenOutput(rid, ids, n_out, n_cached))
+                t = held.get(rid) if held is not None else None
+                if t is not None:  # the same request in an earlier step of this batch: one delta
+                    t.token_ids.extend(ids)
+                    t.num_output_tokens, t.num_cached_tokens = n_out, n_cached
+                    self.coalesced += 1
+                elif held is not None:
+                    held[rid] = TokenOutput(rid, ids, n_out, n_cached)
+                else:
+                    self._deliver(TokenOutput(rid, ids, n_out, n_cached))
             for o in msg.outputs:
+                t = held.pop(o.rid, None) if held is not None else None
+                if t is not None:
+                    self._deliver(t)
                 if o.timing is not None:  # a first delta: when its step was sent, and received here
                     o.timing += [msg.sent, time.monotonic()]
                 self._deliver(o)
-        elif isinstance(msg, RequestError):
+            return
+        if held:  # anything else keeps its place after the outputs before it
+            self._release(held)
+        if isinstance(msg, RequestError):
             r = self.reqs.pop(msg.rid, None)
             if r is not None and not r.aborted:
                 r.sink.put_nowait((r.tag, EngineRequestFailed(msg.message, msg.kind, msg.param)))

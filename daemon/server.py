@@ -836,7 +836,8 @@ async def debug_engine(request: web.Request) -> web.Response:
                             "inflight": c.num_inflight, "active_http": srv.active,
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
                                        "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time(),
-                                       "direct_outputs": srv.direct_outputs, "spins": srv.spins,
+                                       "direct_outputs": srv.direct_outputs, "coalesced": c.coalesced,
+                                       "spins": srv.spins,
                                        "gc": srv.gc.snapshot()}}
     since = request.query.get("phases_since")
     if since is not None:  # the TTFT splits of the requests after the one numbered `since`

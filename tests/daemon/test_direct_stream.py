@@ -24,7 +24,7 @@ from aiohttp import web
 from mleagle.daemon.server import SRV, Server, create_app
 from mleagle.engine.contract.config import load_config
 from mleagle.engine.contract.outputs import RequestOutput
-from mleagle.engine.contract.protocol import AbortRequest, AddRequest, Outputs, Ready, encode
+from mleagle.engine.contract.protocol import AbortRequest, AddRequest, Outputs, Pong, Ready, encode
 from mleagle.engine.contract.tokenizer import Tokenizer
 from tests.daemon_helpers import sse_events
 
@@ -52,6 +52,12 @@ class Scripted:
 
     def aborted(self) -> set[str]:
         return {m.rid for m in self.sent if isinstance(m, AbortRequest)}
+
+    def emit_behind(self, *steps: list[RequestOutput] | bytes) -> None:
+        """Several engine steps (each a list of outputs, or a message already encoded) read in one
+        callback, as the socket reader delivers them when the daemon's loop fell behind."""
+        msgs = [m if isinstance(m, bytes) else encode(Outputs.of(m)) for m in steps]
+        asyncio.get_running_loop().call_soon(self.srv.client._on_msgs, self.srv.client.gen, msgs)
 
     def emit(self, *outs: RequestOutput | bytes) -> None:
         """One engine step per argument, delivered in one callback as the socket reader does."""
@@ -279,3 +285,38 @@ async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Token
     n = srv.spins
     await asyncio.sleep(0.05)
     assert srv.spins == n
+
+
+async def test_steps_read_together_reach_a_stream_as_one_frame(eng: Scripted, tok: Tokenizer) -> None:
+    """A daemon that fell behind reads several engine steps in one callback: a request's token-only
+    deltas of consecutive steps go out as one frame (one write), with every token's text, in order;
+    a whole output of the request (its end) and any other message (a pong) still come after the tokens
+    before them; two streams are merged each on its own."""
+    a_ids = tok.encode("one two three four five six", add_special_tokens=False)
+    b_ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    assert len(a_ids) >= 6 and len(b_ids) >= 3
+    async with session() as s:
+        reqs = [asyncio.ensure_future(s.post(eng.url + "/v1/completions", json={"prompt": p, "stream": True}))
+                for p in ("a", "b")]
+        a, b = await eng.added(2)
+        eng.emit(out(a, a_ids[:1]), out(b, b_ids[:1]))  # the responses start (their headers go out)
+        its = [sse_events((await r).content) for r in reqs]
+        firsts = [await first_text(it) for it in its]
+        before = eng.srv.client.coalesced
+        pong = encode(Pong(seq=1))
+        eng.emit_behind([out(a, a_ids[1:2]), out(b, b_ids[1:2])], [out(a, a_ids[2:3])], [out(a, a_ids[3:4])],
+                        pong, [out(a, a_ids[4:5])], [out(b, b_ids[2:], True, "length")])
+        a_next = await its[0].__anext__()
+        b_rest = [e async for e in its[1]]
+        assert eng.srv.client.coalesced - before == 2  # a's steps 2 and 3 merged into step 1's delta
+        eng.emit(out(a, a_ids[5:], True, "length"))
+        a_rest = [e async for e in its[0]]
+    # a: the three steps before the pong in one frame, then the step after it, then the end.
+    assert text_of(a_next) == tok.decode(a_ids[1:4])
+    a_events = [*firsts[0], a_next, *a_rest]
+    assert "".join(map(text_of, a_events)) == tok.decode(a_ids) and a_events[-1] is None
+    assert [text_of(e) for e in a_rest[:1]] == [tok.decode(a_ids[4:5])]
+    # b: its token delta, then its last output (a whole one: not merged, after the tokens before it).
+    b_events = [*firsts[1], *b_rest]
+    assert "".join(map(text_of, b_events)) == tok.decode(b_ids) and b_events[-1] is None
+    assert text_of(b_rest[0]) == tok.decode(b_ids[1:2])
