@@ -217,6 +217,7 @@ class EngineLoop:
             return self._run()
         except (BrokenPipeError, ConnectionResetError):
             log.warning("the daemon closed the channel; engine exiting")
+            _ORPHANED[0] = True
             return 0
 
     def _run(self) -> int:
@@ -231,6 +232,7 @@ class EngineLoop:
                 data = self.chan.recv()
                 if data is None:
                     log.warning("the daemon closed the channel; engine exiting")
+                    _ORPHANED[0] = True
                     return 0
                 if not self.handle(data):
                     return 0
@@ -245,6 +247,7 @@ class EngineLoop:
                 self.telemetry.idle()  # status events (rates, uptime) stay current while idle
             if not busy and os.getppid() != self.ppid:
                 log.warning("daemon gone; engine exiting")
+                _ORPHANED[0] = True
                 return 0
             stepped = self.engine.has_work()
             if stepped:
@@ -324,6 +327,10 @@ def _event_pump(addr: str | None) -> EventPump | None:
 
 
 _SIGTERM = [False]
+# Set once the engine finds its daemon gone (the channel closed under it, or a new parent): like a
+# SIGTERM, that can come before the kernel has re-parented this process, so the run dir's removal
+# waits for the re-parenting then too.
+_ORPHANED = [False]
 
 
 def _max_request_tokens(engine: Any) -> int | None:
@@ -342,7 +349,7 @@ def _remove_orphaned_run_dir(run_dir: str, parent: int | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # we are exiting anyway: let nothing cut this short
     if parent is None:
         return
-    end = time.monotonic() + (REPARENT_WAIT_S if _SIGTERM[0] else 0.0)
+    end = time.monotonic() + (REPARENT_WAIT_S if _SIGTERM[0] or _ORPHANED[0] else 0.0)
     while os.getppid() == parent and time.monotonic() < end:
         time.sleep(0.02)
     if os.getppid() == parent:
