@@ -210,3 +210,32 @@ def test_encode_chat_keeps_special_text_in_content_plain(ours: Tokenizer) -> Non
     k = next(i for i, (a, b) in enumerate(zip(empty, plain)) if a != b)
     body = plain[k: len(plain) - (len(empty) - k)]
     assert ours.decode(body) == forged and start not in body and end not in body
+
+
+def test_encode_chat_encodes_the_templates_own_pieces_once(ours: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short pieces between the template's markers (its default system prompt, role names,
+    newlines) are encoded once and reused, so a second request encodes only its own message; the ids
+    are the same either way, and a caller changing the list it got changes nothing cached."""
+    from mleagle.engine.contract import tokenizer as T
+
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    second = [{"role": "user", "content": "Name three primes."}]
+    want = [ours.encode(ours.apply_chat_template(m)) for m in (first, second)]
+    ours._pieces.clear()
+    assert ours.encode_chat(first) == want[0]
+    seen: list[list[str]] = []
+    real = T._encode_many
+    monkeypatch.setattr(T, "_encode_many", lambda tok, texts, *a, **kw: seen.append(list(texts)) or real(tok, texts, *a, **kw))
+    got = ours.encode_chat(second)
+    assert got == want[1]
+    assert seen == [["user\nName three primes."]]  # the system prompt, "\n" and "assistant\n" were known
+    got.append(-1)
+    assert ours.encode_chat(second) == want[1]
+    # A piece longer than the limit is never kept; a full cache starts over.
+    long = [{"role": "user", "content": "x " * T.PIECE_CACHE_CHARS}]
+    assert ours.encode_chat(long) == ours.encode(ours.apply_chat_template(long))
+    assert all(len(k) <= T.PIECE_CACHE_CHARS for k in ours._pieces)
+    monkeypatch.setattr(T, "PIECE_CACHE_SIZE", len(ours._pieces))
+    assert ours.encode_chat([{"role": "user", "content": "new"}]) == ours.encode(ours.apply_chat_template(
+        [{"role": "user", "content": "new"}]))
+    assert len(ours._pieces) == 1
