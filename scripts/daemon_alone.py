@@ -1,7 +1,7 @@
 """The daemon alone: how many tokens a second its serving path can stream, and at what cost per token.
 
 `python scripts/daemon_alone.py [--step-ms 2,1] [--concurrency 32,64] [--max-tokens 256] [--repeats 2]
-[--spin] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
+[--spin] [--verbose] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
 SmolLM2 config's tokenizer and chat template, its detokenizer, SSE framing, metrics and TTFT split;
 uvloop where installed, as `mleagle serve` runs it) in a process of its own, with a scripted engine in
 another process on the real engine channel: the engine answers pings and, every `--step-ms`, sends one
@@ -57,6 +57,7 @@ def engine_main(path: str, step_s: float) -> None:
     ids = tok.encode(TEXT, add_special_tokens=False)
     chan = EngineChannel(path)
     live: dict[str, list[int]] = {}  # rid -> [emitted, max_new_tokens, prompt tokens]
+    added: dict[str, float] = {}  # rid -> when its AddRequest was read (its TTFT split's engine marks)
     nxt = time.monotonic() + step_s
     while True:
         wait = nxt - time.monotonic()
@@ -67,8 +68,10 @@ def engine_main(path: str, step_s: float) -> None:
                 msg = decode_daemon_msg(data)
                 if isinstance(msg, AddRequest):
                     live[msg.rid] = [0, msg.params.max_new_tokens, len(msg.prompt_ids)]
+                    added[msg.rid] = time.monotonic()
                 elif isinstance(msg, AbortRequest):
                     live.pop(msg.rid, None)
+                    added.pop(msg.rid, None)
                 elif isinstance(msg, Ping):
                     chan.send(encode(Pong(seq=msg.seq, num_requests=len(live))))
                 elif isinstance(msg, Shutdown):
@@ -89,10 +92,14 @@ def engine_main(path: str, step_s: float) -> None:
         for rid, st in list(live.items()):
             t = ids[st[0] % len(ids)]
             st[0] += 1
-            if st[0] >= st[1]:
-                outputs.append(RequestOutput(rid=rid, token_ids=[t], finished=True, finish_reason="length",
-                                             num_prompt_tokens=st[2], num_output_tokens=st[0]))
-                del live[rid]
+            t_added = added.pop(rid, None)
+            if st[0] >= st[1] or t_added is not None:  # the last delta, or the first (with its marks)
+                end = st[0] >= st[1]
+                outputs.append(RequestOutput(rid=rid, token_ids=[t], finished=end, finish_reason="length" if end else None,
+                                             num_prompt_tokens=st[2], num_output_tokens=st[0],
+                                             timing=[t_added, now, now] if t_added is not None else None))
+                if end:
+                    del live[rid]
             else:
                 tokens.append((rid, [t], st[2], st[0], 0))
         chan.send(encode(Outputs.model_construct(outputs=outputs, tokens=tokens, sent=time.monotonic())))
@@ -147,13 +154,15 @@ def daemon_main(port: int, step_s: float, spin: bool, ready: Any) -> None:
         r.run(daemon_async(port, step_s, spin, ready))
 
 
-def bench(url: str, conc: int, n: int, max_tokens: int, out: Path) -> dict[str, Any]:
+def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, verbose: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", url, "--concurrency", str(conc),
            "--num-prompts", str(n), "--max-tokens", str(max_tokens), "--ignore-eos", "--output", str(out),
            "--client-procs", str(max(1, min(4, conc // 32)))]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"bench serve failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    if verbose:
+        print(r.stdout, flush=True)
     return json.loads(out.read_text())
 
 
@@ -169,7 +178,7 @@ def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[
         urllib.request.urlopen(url + "/health", timeout=10).read()
         with tempfile.TemporaryDirectory() as tmp:
             bench(url, conc, conc, args.max_tokens, Path(tmp) / "warm.json")  # every path met once
-            res = bench(url, conc, 4 * conc, args.max_tokens, Path(tmp) / "run.json")
+            res = bench(url, conc, 4 * conc, args.max_tokens, Path(tmp) / "run.json", args.verbose)
     finally:
         d.kill()
         d.join(5)
@@ -194,6 +203,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--spin", action="store_true", help="the daemon's loop spins as beside a GPU engine")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--verbose", action="store_true", help="print each run's bench serve report")
     args = ap.parse_args()
     runs: list[dict[str, Any]] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S")
