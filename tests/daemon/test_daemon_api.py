@@ -314,7 +314,10 @@ async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(
         assert all(x >= 0 for x in parts), parts
         assert parts[3] > 0, "the prefill took no time"
         assert parts[7] > 0, "a stream's first frame was written in no time"
-        assert sum(parts) <= client_ttft, (parts, client_ttft)
+        # Every mark up to the delta being taken comes before the frame's write, so before the client
+        # read it; the last (after the write) can come after the client's read where this process is
+        # descheduled between the write and the mark (a loaded 2-core machine: 4 ms once).
+        assert sum(parts[:7]) <= client_ttft, (parts, client_ttft)
     st, text = srv.get("/metrics")
     counts = {ln.split('phase="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
               if ln.startswith("mleagle:time_to_first_token_phase_seconds_count")}
