@@ -285,22 +285,57 @@ class EngineClient:
             self.on_events(gen.n, batch)
 
     def _on_msgs(self, gen: _Gen, batch: list[bytes]) -> None:
-        """Everything the engine sent since the last wake-up (its reader's callback). Where that is
-        several steps (the daemon fell behind), a request's token-only deltas of consecutive steps go
-        to its stream as one (`_on_msg`): one frame and one socket write instead of one per step, so a
-        loop that falls behind catches up instead of writing every step it missed."""
+        """Everything the engine sent since the last wake-up (its reader's callback).
+        - A request's first delta goes to its route before anything else of the batch, and the rest
+          is handled in a callback of its own after it: the woken routes write their headers and first
+          frames before this callback writes every running stream's frame (at 32 streams that
+          is most of a millisecond of the loop, which a first token no longer waits behind).
+        - Where the batch is several steps (the daemon fell behind), a request's token-only deltas of
+          consecutive steps go to its stream as one (`_handle`): one frame and one socket write instead
+          of one per step, so a loop that falls behind catches up instead of writing every step it
+          missed."""
         if gen is self.gen:
             self.last_seen = time.monotonic()  # any message at all is a sign of life
+        now = time.monotonic()
+        msgs = [m for m in map(self._decode, batch) if m is not None]
+        firsts, rest = 0, 0
+        for m in msgs:
+            if not isinstance(m, Outputs):
+                rest += 1
+                continue
+            rest += len(m.tokens)
+            if not any(o.timing is not None for o in m.outputs):
+                rest += len(m.outputs)
+                continue
+            keep = []
+            for o in m.outputs:
+                if o.timing is None:
+                    keep.append(o)
+                    continue
+                o.timing += [m.sent, now]  # when its step was sent, and received here
+                firsts += 1
+                try:
+                    self._deliver(o)
+                except Exception:
+                    log.exception("failed to deliver an engine output")
+            m.outputs = keep
+            rest += len(keep)
+        if firsts and rest:
+            asyncio.get_running_loop().call_soon(self._handle_all, msgs)
+        elif rest:
+            self._handle_all(msgs)
+
+    def _handle_all(self, msgs: list[Any]) -> None:
         held: dict[str, TokenOutput] = {}
-        for data in batch:
+        for msg in msgs:
             try:
-                self._on_msg(data, held)
+                self._handle(msg, held)
             except Exception:  # one bad message (or callback) must not drop the rest of the batch
                 log.exception("failed to handle an engine message")
         self._release(held)
 
     def _release(self, held: dict[str, TokenOutput]) -> None:
-        """Deliver the token-only deltas `_on_msg` held back, and forget them."""
+        """Deliver the token-only deltas `_handle` held back, and forget them."""
         for t in held.values():
             try:
                 self._deliver(t)
@@ -308,16 +343,25 @@ class EngineClient:
                 log.exception("failed to deliver an engine output")
         held.clear()
 
-    def _on_msg(self, data: bytes, held: dict[str, TokenOutput] | None = None) -> None:
-        """One engine message. With `held` (the batch's), a token-only delta is held back there,
-        merged with the request's earlier ones in the batch, and delivered before anything else of
-        that request (a whole `RequestOutput`: logprobs, timing, the end) or before any other kind
-        of message; the caller delivers what is left (`_release`). Without it, delivered at once."""
+    @staticmethod
+    def _decode(data: bytes) -> Any:
         try:
-            msg = decode_engine_msg(data)
+            return decode_engine_msg(data)
         except ValueError as e:
             log.error("dropped a malformed engine message: %s", e)
-            return
+            return None
+
+    def _on_msg(self, data: bytes) -> None:
+        """One engine message, handled at once."""
+        msg = self._decode(data)
+        if msg is not None:
+            self._handle(msg, None)
+
+    def _handle(self, msg: Any, held: dict[str, TokenOutput] | None) -> None:
+        """One engine message. With `held` (the batch's), a token-only delta is held back there,
+        merged with the request's earlier ones in the batch, and delivered before anything else of
+        that request (a whole `RequestOutput`: logprobs, the end) or before any other kind of message;
+        the caller delivers what is left (`_release`). Without it, delivered at once."""
         if isinstance(msg, Outputs):
             for rid, ids, _, n_out, n_cached in msg.tokens:
                 t = held.get(rid) if held is not None else None

@@ -320,3 +320,33 @@ async def test_steps_read_together_reach_a_stream_as_one_frame(eng: Scripted, to
     b_events = [*firsts[1], *b_rest]
     assert "".join(map(text_of, b_events)) == tok.decode(b_ids) and b_events[-1] is None
     assert text_of(b_rest[0]) == tok.decode(b_ids[1:2])
+
+
+async def test_a_first_delta_reaches_its_route_before_the_running_streams_frames() -> None:
+    """A batch with a new request's first delta and the running streams' tokens: the first delta is in
+    its route's queue when the reader's callback returns, with the step's marks added, while the
+    others come in a callback of their own after the woken route has run (so its headers and first
+    frame do not wait behind every running stream's write); everything arrives, each stream in
+    order. A batch without a first delta is handled at once."""
+    from mleagle.daemon.engine_client import EngineClient, _Req
+
+    c = EngineClient(load_config("tiny-dummy"))
+    sinks: dict[str, asyncio.Queue[tuple[int, Any]]] = {r: asyncio.Queue() for r in ("run1", "run2", "new")}
+    for k, (r, q) in enumerate(sinks.items()):
+        c.reqs[r] = _Req(q, k)
+    first = out("new", [7], timing=[1.0, 2.0, 3.0])
+    step = Outputs.of([out("run1", [1]), out("run2", [2]), first])
+    step.sent = 4.0
+    later = Outputs.of([out("run1", [5]), out("new", [8])])
+    c._on_msgs(c.gen, [encode(step), encode(later)])  # type: ignore[arg-type]
+    assert sinks["new"].qsize() == 1 and sinks["run1"].empty() and sinks["run2"].empty()
+    o = sinks["new"].get_nowait()[1]
+    assert o.token_ids == [7] and o.timing[:4] == [1.0, 2.0, 3.0, 4.0] and len(o.timing) == 5
+    await asyncio.sleep(0)  # the deferred part
+    got: dict[str, list[list[int]]] = {r: [] for r in sinks}
+    for r, q in sinks.items():
+        while not q.empty():
+            got[r].append(q.get_nowait()[1].token_ids)
+    assert got == {"run1": [[1, 5]], "run2": [[2]], "new": [[8]]}  # run1's two steps merged
+    c._on_msgs(c.gen, [encode(Outputs.of([out("run2", [3])]))])  # type: ignore[arg-type]
+    assert sinks["run2"].get_nowait()[1].token_ids == [3]
