@@ -1,12 +1,12 @@
 """The daemon alone: how many tokens a second its serving path can stream, and at what cost per token.
 
 `python scripts/daemon_alone.py [--step-ms 2,1] [--concurrency 32,64] [--max-tokens 256] [--repeats 2]
-[--spin] [--verbose] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
+[--spin] [--equal-lengths] [--verbose] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
 SmolLM2 config's tokenizer and chat template, its detokenizer, SSE framing, metrics and TTFT split;
 uvloop where installed, as `mleagle serve` runs it) in a process of its own, with a scripted engine in
 another process on the real engine channel: the engine answers pings and, every `--step-ms`, sends one
 `Outputs` message with one token for each request it holds (text from a fixed paragraph), ending each
-after its `max_tokens`. Then it runs `mleagle bench serve` against it (MT-Bench chat, `--ignore-eos`,
+after a length drawn between a quarter of its `max_tokens` and all of it (as answers end at their EOS). Then it runs `mleagle bench serve` against it (MT-Bench chat, `--ignore-eos`,
 4 x concurrency requests after a warm-up of one wave) and prints, per run, what the clients got
 against what the engine emitted, ITL and TTFT, the daemon's CPU per token, and how many token deltas
 it merged because it read several steps at once (`EngineClient._on_msgs`). No model runs, so this is
@@ -37,8 +37,14 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs far away 
         "trees are tall and the air is cool. Numbers like 3.14159 and 2718 appear too, with some punctuation!")
 
 
-def engine_main(path: str, step_s: float) -> None:
-    """The scripted engine: connect to the daemon's channel and emit a step every `step_s` seconds."""
+def engine_main(path: str, step_s: float, vary: bool) -> None:
+    """The scripted engine: connect to the daemon's channel and emit a step every `step_s` seconds.
+    With `vary`, a request ends after a length drawn uniformly between a quarter of its max_tokens and
+    all of them (as answers end at their EOS; equal lengths would end every request of a wave in the
+    same step, and the next wave would arrive at once); otherwise at its max_tokens."""
+    import random
+
+    rng = random.Random(0)
     from mleagle.engine.contract.channel import EngineChannel
     from mleagle.engine.contract.outputs import RequestOutput
     from mleagle.engine.contract.protocol import (
@@ -67,7 +73,8 @@ def engine_main(path: str, step_s: float) -> None:
                 assert data is not None
                 msg = decode_daemon_msg(data)
                 if isinstance(msg, AddRequest):
-                    live[msg.rid] = [0, msg.params.max_new_tokens, len(msg.prompt_ids)]
+                    n = msg.params.max_new_tokens
+                    live[msg.rid] = [0, rng.randint(max(1, n // 4), n) if vary else n, len(msg.prompt_ids)]
                     added[msg.rid] = time.monotonic()
                 elif isinstance(msg, AbortRequest):
                     live.pop(msg.rid, None)
@@ -105,7 +112,7 @@ def engine_main(path: str, step_s: float) -> None:
         chan.send(encode(Outputs.model_construct(outputs=outputs, tokens=tokens, sent=time.monotonic())))
 
 
-async def daemon_async(port: int, step_s: float, spin: bool, ready: Any) -> None:
+async def daemon_async(port: int, step_s: float, spin: bool, vary: bool, ready: Any) -> None:
     from aiohttp import web
 
     from mleagle.daemon.server import SRV, create_app
@@ -124,7 +131,7 @@ async def daemon_async(port: int, step_s: float, spin: bool, ready: Any) -> None
     chan = DaemonChannel(path, on_batch=lambda b: c._on_msgs(c.gen, b),  # type: ignore[arg-type]
                          on_lost=lambda why: print(f"engine channel lost: {why}", file=sys.stderr))
     await chan.listen()
-    eng = mp.get_context("spawn").Process(target=engine_main, args=(path, step_s), daemon=True)
+    eng = mp.get_context("spawn").Process(target=engine_main, args=(path, step_s, vary), daemon=True)
     eng.start()
     chan.expected_pid = eng.pid
     while not chan.connected:
@@ -143,7 +150,7 @@ async def daemon_async(port: int, step_s: float, spin: bool, ready: Any) -> None
     await asyncio.Event().wait()
 
 
-def daemon_main(port: int, step_s: float, spin: bool, ready: Any) -> None:
+def daemon_main(port: int, step_s: float, spin: bool, vary: bool, ready: Any) -> None:
     try:
         import uvloop  # type: ignore[import-not-found]
 
@@ -151,7 +158,7 @@ def daemon_main(port: int, step_s: float, spin: bool, ready: Any) -> None:
     except ImportError:
         factory = None
     with asyncio.Runner(loop_factory=factory) as r:
-        r.run(daemon_async(port, step_s, spin, ready))
+        r.run(daemon_async(port, step_s, spin, vary, ready))
 
 
 def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, verbose: bool = False) -> dict[str, Any]:
@@ -169,7 +176,7 @@ def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, verbose: bool
 def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    d = ctx.Process(target=daemon_main, args=(port, step_ms / 1e3, args.spin, ready))  # it starts the engine: not daemonic
+    d = ctx.Process(target=daemon_main, args=(port, step_ms / 1e3, args.spin, not args.equal_lengths, ready))  # it starts the engine: not daemonic
     d.start()
     try:
         if not ready.wait(120):
@@ -191,7 +198,11 @@ def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[
             "tokens_per_chunk": res["mean_tokens_per_chunk"],
             "daemon_cpu_us_per_token": srv.get("daemon_cpu_us_per_token"), "daemon_cpu_share": srv.get("daemon_cpu_share"),
             "coalesced": srv.get("daemon_coalesced"), "client_cpu_share": res.get("client_cpu_share"),
-            "failed": res["failed"]}
+            "failed": res["failed"],
+            # the server's TTFT split (means and p90 per phase, ms), and the client's time before the route
+            "ttft_phases": {k: {"mean_ms": v["mean_ms"], "p90_ms": v["p90_ms"]}
+                            for k, v in ((srv.get("ttft_phases") or {}).get("phases") or {}).items()},
+            "before_route": ((srv.get("ttft_outside") or {}).get("before_route"))}
 
 
 def main() -> None:
@@ -202,6 +213,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--spin", action="store_true", help="the daemon's loop spins as beside a GPU engine")
+    ap.add_argument("--equal-lengths", action="store_true",
+                    help="every request runs to --max-tokens (default: lengths drawn from a quarter to all of it)")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--verbose", action="store_true", help="print each run's bench serve report")
     args = ap.parse_args()
@@ -215,7 +228,8 @@ def main() -> None:
                 runs.append(r)
                 print(f"[daemon-alone] repeat {rep} step {step_ms} ms c{conc}: {r['output_tok_s']:.0f} of "
                       f"{r['engine_tok_s']:.0f} tok/s, daemon {r['daemon_cpu_us_per_token']:.1f} us/token, "
-                      f"{r['coalesced']} coalesced", flush=True)
+                      f"{r['coalesced']} coalesced; TTFT split means (ms): "
+                      + " ".join(f"{k} {v['mean_ms']:.2f}" for k, v in r["ttft_phases"].items()), flush=True)
     cols = (("kept_up", "kept up", 2), ("output_tok_s", "client tok/s", 0), ("itl_p50_ms", "ITL p50", 2),
             ("itl_p99_ms", "ITL p99", 2), ("ttft_p90_ms", "TTFT p90", 1), ("tokens_per_chunk", "tok/chunk", 2),
             ("daemon_cpu_us_per_token", "daemon us/tok", 1), ("daemon_cpu_share", "daemon core", 2),
