@@ -416,7 +416,8 @@ class SSE:
         try:
             await self.send((self.frame(err) if err is not None else b"") + self.frame("[DONE]"))
             assert self.resp is not None
-            await asyncio.wait_for(self.resp.write_eof(), self.timeout)
+            async with timeout(self.timeout):  # not `wait_for`: no task (and loop pass) per stream's end
+                await self.resp.write_eof()
         except (ClientTooSlow, asyncio.TimeoutError):
             self._drop()
         assert self.resp is not None
