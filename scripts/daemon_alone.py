@@ -127,6 +127,7 @@ async def daemon_async(port: int, step_s: float, spin: bool, vary: bool, ready: 
     c = srv.client
     tok = Tokenizer.from_source(cfg.model)
     assert tok is not None
+    tok.decode(tok.encode_chat([{"role": "user", "content": "warm up"}]))  # as the daemon does (`load_tokenizer`)
     path = os.path.join(tempfile.mkdtemp(prefix="mleagle-alone-"), "chan.sock")
     chan = DaemonChannel(path, on_batch=lambda b: c._on_msgs(c.gen, b),  # type: ignore[arg-type]
                          on_lost=lambda why: print(f"engine channel lost: {why}", file=sys.stderr))
