@@ -1,12 +1,12 @@
 """The daemon alone: how many tokens a second its serving path can stream, and at what cost per token.
 
 `python scripts/daemon_alone.py [--step-ms 2,1] [--concurrency 32,64] [--max-tokens 256] [--repeats 2]
-[--spin] [--equal-lengths] [--verbose] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
+[--dataset D] [--spin] [--equal-lengths] [--verbose] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
 SmolLM2 config's tokenizer and chat template, its detokenizer, SSE framing, metrics and TTFT split;
 uvloop where installed, as `mleagle serve` runs it) in a process of its own, with a scripted engine in
 another process on the real engine channel: the engine answers pings and, every `--step-ms`, sends one
 `Outputs` message with one token for each request it holds (text from a fixed paragraph), ending each
-after a length drawn between a quarter of its `max_tokens` and all of it (as answers end at their EOS). Then it runs `mleagle bench serve` against it (MT-Bench chat, `--ignore-eos`,
+after a length drawn between a quarter of its `max_tokens` and all of it (as answers end at their EOS). Then it runs `mleagle bench serve` against it (MT-Bench chat by default, `--ignore-eos`,
 4 x concurrency requests after a warm-up of one wave) and prints, per run, what the clients got
 against what the engine emitted, ITL and TTFT, the daemon's CPU per token, and how many token deltas
 it merged because it read several steps at once (`EngineClient._on_msgs`). No model runs, so this is
@@ -162,8 +162,8 @@ def daemon_main(port: int, step_s: float, spin: bool, vary: bool, ready: Any) ->
         r.run(daemon_async(port, step_s, spin, vary, ready))
 
 
-def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, verbose: bool = False) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", url, "--concurrency", str(conc),
+def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, dataset: str, verbose: bool = False) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", url, "--dataset", dataset, "--concurrency", str(conc),
            "--num-prompts", str(n), "--max-tokens", str(max_tokens), "--ignore-eos", "--output", str(out),
            "--client-procs", str(max(1, min(4, conc // 32)))]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -185,8 +185,8 @@ def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[
         url = f"http://127.0.0.1:{port}"
         urllib.request.urlopen(url + "/health", timeout=10).read()
         with tempfile.TemporaryDirectory() as tmp:
-            bench(url, conc, conc, args.max_tokens, Path(tmp) / "warm.json")  # every path met once
-            res = bench(url, conc, 4 * conc, args.max_tokens, Path(tmp) / "run.json", args.verbose)
+            bench(url, conc, conc, args.max_tokens, Path(tmp) / "warm.json", args.dataset)  # every path met once
+            res = bench(url, conc, 4 * conc, args.max_tokens, Path(tmp) / "run.json", args.dataset, args.verbose)
     finally:
         d.kill()
         d.join(5)
@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--step-ms", default="2,1", help="engine step intervals, ms (comma-separated)")
     ap.add_argument("--concurrency", default="32,64")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--dataset", default="mt_bench", help="bench serve's --dataset (a name or a .jsonl file)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--spin", action="store_true", help="the daemon's loop spins as beside a GPU engine")
