@@ -251,7 +251,14 @@ def main() -> None:
             rows.append(row)
             print(f"{step_ms:>8g}{conc:>6}{row['engine_tok_s']:>14.0f}" + "".join(f"{c:>22}" for c in cells))
     if args.output:
+        try:
+            import uvloop  # type: ignore[import-not-found]  # what the daemon's loop was
+
+            loop = f"uvloop {uvloop.__version__}"
+        except ImportError:
+            loop = "asyncio"
         info = {"command": "python scripts/daemon_alone.py " + " ".join(sys.argv[1:]), "cores": os.cpu_count(),
+                "python": sys.version.split()[0], "loop": loop,
                 "started": started, "runs": runs, "table": rows}
         args.output.write_text(json.dumps(info, indent=1))
         print(f"wrote {args.output}")
