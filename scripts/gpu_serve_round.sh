@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On the GPU machine: one round of the serving figures (issues of speculation policy and serving
+# speed), each step's output in OUT, in the order a short session wants them:
+#
+#   scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone]
+#
+#   1. OUT/gpu_tests.log: the GPU tests of graphs, kernels, the engine loop and the policy;
+#   2. OUT/serve_matrix.{json,md,log}: `bench serve-matrix` with arms target (`--draft none`), auto (the
+#      default config) and always (`--spec-policy always`), baseline target, N repeats (default 3) at
+#      concurrency 1,8,32,64, each server fresh, 16 warm-up requests; the JSON holds per run the TTFT
+#      split (also after the first wave), the policy's explore iterations by reason and the daemon's
+#      merged deltas;
+#   3. OUT/daemon_alone.{json,log}: `scripts/daemon_alone.py --spin` at a step every 2 and 1 ms, 32 and
+#      64 streams: the daemon's own ceiling on this host, beside what the engine makes there.
+#
+# Prompts from $MLEAGLE_DATA_DIR (MT-Bench). PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone]}"
+shift
+REPEATS=3
+CONC="1,8,32,64"
+SKIP=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --repeats) REPEATS="$2"; shift 2 ;;
+    --concurrency) CONC="$2"; shift 2 ;;
+    --skip) SKIP="$2"; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+skip() { [[ ",$SKIP," == *",$1,"* ]]; }
+if ! skip tests; then
+  echo "[round] GPU tests"
+  "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_gpu_graphs.py tests/engine/test_kernels_gpu.py \
+    tests/engine/test_engine_loop.py tests/daemon/test_channel.py tests/engine/test_spec_policy.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 5
+fi
+if ! skip matrix; then
+  echo "[round] serve matrix: c$CONC, $REPEATS repeats"
+  "$PY" -m mleagle.cli bench serve-matrix --config smollm2-135m --arm "target=--draft none" --arm "auto=" \
+    --arm "always=--spec-policy always" --baseline target --concurrency "$CONC" --repeats "$REPEATS" \
+    --output "$OUT/serve_matrix.json" --markdown "$OUT/serve_matrix.md" 2>&1 | tee "$OUT/serve_matrix.log" | tail -n 30
+fi
+if ! skip alone; then
+  echo "[round] the daemon alone"
+  "$PY" scripts/daemon_alone.py --spin --step-ms 2,1 --concurrency 32,64 --repeats 2 \
+    --output "$OUT/daemon_alone.json" 2>&1 | tee "$OUT/daemon_alone.log" | tail -n 8
+fi
