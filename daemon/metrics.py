@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any
 
@@ -256,6 +256,18 @@ class TtftPhases:
                 cum.append((le, n))
             h.add_metric([self.model, name], cum, total)
         yield h
+
+
+class ReadCounter:
+    """A counter kept elsewhere as a plain number, read at each scrape (`read`): nothing per event."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily(self.name, self.doc)
+        c.add_metric([], self.read())
+        yield c
 
 
 class TokenSeries:

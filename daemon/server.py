@@ -44,7 +44,7 @@ from mleagle.daemon.engine_client import EngineClient, EngineUnavailable, TokenO
 from mleagle.daemon.errors import APIError, from_validation
 from mleagle.daemon.events_relay import EventsRelay
 from mleagle.daemon.generation import Choice, Delta, Generation
-from mleagle.daemon.metrics import Metrics
+from mleagle.daemon.metrics import Metrics, ReadCounter
 from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRequest, to_sampling_params
 from mleagle.daemon.structured import Constraint, tool_calls, tool_prompt
 from mleagle.engine.contract.config import MleagleConfig
@@ -78,6 +78,11 @@ class Server:
             on_pong=self._on_pong,
         )
         self.events = EventsRelay(self.client, cfg.server.write_timeout_s)
+        # A daemon that falls behind its engine reads several steps at once and merges their deltas: a
+        # rising rate here says its loop is what limits the streams (`EngineClient._on_msgs`).
+        self.metrics.registry.register(ReadCounter(
+            "mleagle:daemon_coalesced_deltas", "Token deltas the daemon merged into an earlier step's because it "
+            "read several engine steps at once (its event loop had fallen behind)", lambda: self.client.coalesced))
         self.draining = False
         self.active = 0  # HTTP requests with a generation in flight (what a drain waits for)
         self.idle = asyncio.Event()

@@ -309,6 +309,8 @@ async def test_steps_read_together_reach_a_stream_as_one_frame(eng: Scripted, to
         a_next = await its[0].__anext__()
         b_rest = [e async for e in its[1]]
         assert eng.srv.client.coalesced - before == 2  # a's steps 2 and 3 merged into step 1's delta
+        scrape = eng.srv.metrics.render().decode()
+        assert f"mleagle:daemon_coalesced_deltas_total {float(eng.srv.client.coalesced)}" in scrape
         eng.emit(out(a, a_ids[5:], True, "length"))
         a_rest = [e async for e in its[0]]
     # a: the three steps before the pong in one frame, then the step after it, then the end.
