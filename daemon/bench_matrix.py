@@ -67,6 +67,8 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("itl_p99_ms", ("itl_ms", "p99"), "ITL p99 ms"),
     # The daemon's own CPU per streamed token over the run (`bench serve`, from `/debug/engine`).
     ("daemon_us_per_tok", ("server", "daemon_cpu_us_per_token"), "daemon CPU us/tok"),
+    # Token deltas the daemon merged because it read several engine steps at once (its loop was behind).
+    ("daemon_coalesced", ("server", "daemon_coalesced"), "daemon merged deltas"),
     # The engine process's main thread: its busy share of the run, and the part of it that is the
     # serving path's (sending outputs, state events, the daemon's messages) rather than steps.
     ("engine_busy", ("server", "engine_loop", "busy_share"), "engine loop busy"),
