@@ -169,6 +169,7 @@ class EngineClient:
         self.last_pong_t = 0.0
         self.reqs: dict[str, _Req] = {}
         self.coalesced = 0  # token-only deltas merged into an earlier step's of the same batch (`_on_msgs`)
+        self._later: list[Any] | None = None  # a batch's rest, put behind its first deltas (`_on_msgs`)
         self.events_full = False  # someone watches the state events: every step's, not a sample
         for d in sweep_stale_run_dirs():
             log.info("removed the run dir of a daemon that is gone: %s", d)
@@ -296,6 +297,7 @@ class EngineClient:
           missed."""
         if gen is self.gen:
             self.last_seen = time.monotonic()  # any message at all is a sign of life
+        self._run_later()  # the rest of an earlier batch, if still waiting, goes before this one
         now = time.monotonic()
         msgs = [m for m in map(self._decode, batch) if m is not None]
         firsts, rest = 0, 0
@@ -321,8 +323,16 @@ class EngineClient:
             m.outputs = keep
             rest += len(keep)
         if firsts and rest:
-            asyncio.get_running_loop().call_soon(self._handle_all, msgs)
+            self._later = msgs
+            asyncio.get_running_loop().call_soon(self._run_later)
         elif rest:
+            self._handle_all(msgs)
+
+    def _run_later(self) -> None:
+        """The rest of a batch that `_on_msgs` put behind its first deltas, once (whichever comes first:
+        its own callback or the next batch, which must not overtake it)."""
+        msgs, self._later = self._later, None
+        if msgs is not None:
             self._handle_all(msgs)
 
     def _handle_all(self, msgs: list[Any]) -> None:
@@ -353,6 +363,7 @@ class EngineClient:
 
     def _on_msg(self, data: bytes) -> None:
         """One engine message, handled at once."""
+        self._run_later()
         msg = self._decode(data)
         if msg is not None:
             self._handle(msg, None)

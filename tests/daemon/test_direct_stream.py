@@ -352,3 +352,11 @@ async def test_a_first_delta_reaches_its_route_before_the_running_streams_frames
     assert got == {"run1": [[1, 5]], "run2": [[2]], "new": [[8]]}  # run1's two steps merged
     c._on_msgs(c.gen, [encode(Outputs.of([out("run2", [3])]))])  # type: ignore[arg-type]
     assert sinks["run2"].get_nowait()[1].token_ids == [3]
+    # A batch that comes before the deferred rest of the one before it has run (the reader's next
+    # callback in the same pass of the loop) handles that rest first: no stream's tokens overtake.
+    c.reqs["new2"] = _Req(asyncio.Queue(), 9)
+    c._on_msgs(c.gen, [encode(Outputs.of([out("run1", [10]), out("new2", [1], timing=[1.0, 2.0, 3.0])]))])  # type: ignore[arg-type]
+    c._on_msgs(c.gen, [encode(Outputs.of([out("run1", [11])]))])  # type: ignore[arg-type]
+    assert [sinks["run1"].get_nowait()[1].token_ids for _ in range(2)] == [[10], [11]]
+    await asyncio.sleep(0)  # the first batch's callback finds nothing left to do
+    assert sinks["run1"].empty()
