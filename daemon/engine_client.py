@@ -485,6 +485,7 @@ class EngineClient:
         self._ended(gen, why if gen.proc.returncode is None else f"engine process exited with code {gen.proc.returncode}")
 
     def _fail_all(self, why: str) -> None:
+        self._later = None  # the rest of a dead engine's last batch: its requests are failed here
         reqs, self.reqs = self.reqs, {}
         for r in reqs.values():
             if not r.aborted:
