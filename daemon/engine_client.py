@@ -336,13 +336,15 @@ class EngineClient:
             self._handle_all(msgs)
 
     def _handle_all(self, msgs: list[Any]) -> None:
-        held: dict[str, TokenOutput] = {}
+        # One message (a daemon keeping up) has nothing to merge: its deltas go out as they come.
+        held: dict[str, TokenOutput] | None = {} if len(msgs) > 1 else None
         for msg in msgs:
             try:
                 self._handle(msg, held)
             except Exception:  # one bad message (or callback) must not drop the rest of the batch
                 log.exception("failed to handle an engine message")
-        self._release(held)
+        if held:
+            self._release(held)
 
     def _release(self, held: dict[str, TokenOutput]) -> None:
         """Deliver the token-only deltas `_handle` held back, and forget them."""

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -126,18 +127,24 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def serve(cfg: MleagleConfig, access_log: bool = False) -> int:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (the `fast` extra), else None: asyncio's own."""
     try:
         import uvloop  # type: ignore[import-not-found]
-
-        factory = uvloop.new_event_loop
     except ImportError:
-        factory = None
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+def serve(cfg: MleagleConfig, access_log: bool = False) -> int:
+    factory = loop_factory()
     try:
         if sys.version_info >= (3, 11):
             with asyncio.Runner(loop_factory=factory) as runner:
                 return runner.run(serve_async(cfg, access_log))
-        if factory is not None:
+        if factory is not None:  # Python 3.10: no Runner; uvloop through its policy
+            import uvloop  # type: ignore[import-not-found]
+
             asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
         return asyncio.run(serve_async(cfg, access_log))
     except OSError as e:

@@ -152,13 +152,9 @@ async def daemon_async(port: int, step_s: float, spin: bool, vary: bool, ready: 
 
 
 def daemon_main(port: int, step_s: float, spin: bool, vary: bool, ready: Any) -> None:
-    try:
-        import uvloop  # type: ignore[import-not-found]
+    from mleagle.daemon.lifecycle import loop_factory
 
-        factory: Any = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as r:
+    with asyncio.Runner(loop_factory=loop_factory()) as r:  # the loop `mleagle serve` runs on
         r.run(daemon_async(port, step_s, spin, vary, ready))
 
 

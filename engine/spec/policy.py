@@ -307,7 +307,7 @@ class SpecPolicy:
             self.stats.switches += 1
         if d.reason.startswith("explore: "):
             self.stats.explore_iterations += 1
-            why = d.reason[9:]
+            why = d.reason.removeprefix("explore: ")
             self.stats.explore_by_reason[why] = self.stats.explore_by_reason.get(why, 0) + 1
         self.last = d
         return d
