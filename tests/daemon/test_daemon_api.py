@@ -305,10 +305,13 @@ async def test_ttft_is_split_into_phases_that_add_up_within_what_the_client_saw(
     assert [r[0] for r in ph["recent"]] == [seq0 + 1, seq0 + 2, seq0 + 3]
     n = len(ph["names"])
     # Each record names its response and carries the daemon's first and last mark (monotonic, this
-    # host's clock): the route began after the client sent; the last mark is taken just after the
-    # frame's write, which the client may read a hair before it.
+    # host's clock): the route began after the client sent and before it read its first token; the
+    # last mark is taken just after the frame's write, which the client may read before it (by as
+    # long as the daemon waits for a core once its write woke the client: more than the 1 ms this
+    # allowed before, on a loaded 2-core machine; the bound says it is this request's mark, this clock).
     assert [rec[1 + n] for rec in ph["recent"]] == ids
-    assert all(len(rec) == n + 4 and sent < rec[2 + n] < rec[3 + n] < got + 0.001 for rec in ph["recent"][-1:])
+    assert all(len(rec) == n + 4 and sent < rec[2 + n] < got and rec[2 + n] < rec[3 + n] < got + 0.1
+               for rec in ph["recent"][-1:])
     for rec, client_ttft in zip(ph["recent"], seen):
         parts = rec[1:1 + n]
         assert all(x >= 0 for x in parts), parts
