@@ -295,37 +295,31 @@ class EngineClient:
           consecutive steps go to its stream as one (`_handle`): one frame and one socket write instead
           of one per step, so a loop that falls behind catches up instead of writing every step it
           missed."""
-        if gen is self.gen:
-            self.last_seen = time.monotonic()  # any message at all is a sign of life
-        self._run_later()  # the rest of an earlier batch, if still waiting, goes before this one
         now = time.monotonic()
+        if gen is self.gen:
+            self.last_seen = now  # any message at all is a sign of life
+        self._run_later()  # the rest of an earlier batch, if still waiting, goes before this one
         msgs = [m for m in map(self._decode, batch) if m is not None]
-        firsts, rest = 0, 0
+        firsts = 0
         for m in msgs:
-            if not isinstance(m, Outputs):
-                rest += 1
-                continue
-            rest += len(m.tokens)
-            if not any(o.timing is not None for o in m.outputs):
-                rest += len(m.outputs)
+            if not isinstance(m, Outputs) or all(o.timing is None for o in m.outputs):
                 continue
             keep = []
             for o in m.outputs:
                 if o.timing is None:
                     keep.append(o)
                     continue
-                o.timing += [m.sent, now]  # when its step was sent, and received here
+                o.timing += [m.sent, now]  # a first delta: when its step was sent, and received here
                 firsts += 1
                 try:
                     self._deliver(o)
                 except Exception:
                     log.exception("failed to deliver an engine output")
             m.outputs = keep
-            rest += len(keep)
-        if firsts and rest:
+        if firsts and any(not isinstance(m, Outputs) or m.tokens or m.outputs for m in msgs):
             self._later = msgs
             asyncio.get_running_loop().call_soon(self._run_later)
-        elif rest:
+        elif not firsts:
             self._handle_all(msgs)
 
     def _run_later(self) -> None:
@@ -363,13 +357,6 @@ class EngineClient:
             log.error("dropped a malformed engine message: %s", e)
             return None
 
-    def _on_msg(self, data: bytes) -> None:
-        """One engine message, handled at once."""
-        self._run_later()
-        msg = self._decode(data)
-        if msg is not None:
-            self._handle(msg, None)
-
     def _handle(self, msg: Any, held: dict[str, TokenOutput] | None) -> None:
         """One engine message. With `held` (the batch's), a token-only delta is held back there,
         merged with the request's earlier ones in the batch, and delivered before anything else of
@@ -386,12 +373,10 @@ class EngineClient:
                     held[rid] = TokenOutput(rid, ids, n_out, n_cached)
                 else:
                     self._deliver(TokenOutput(rid, ids, n_out, n_cached))
-            for o in msg.outputs:
+            for o in msg.outputs:  # first deltas went ahead in `_on_msgs`
                 t = held.pop(o.rid, None) if held is not None else None
                 if t is not None:
                     self._deliver(t)
-                if o.timing is not None:  # a first delta: when its step was sent, and received here
-                    o.timing += [msg.sent, time.monotonic()]
                 self._deliver(o)
             return
         if held:  # anything else keeps its place after the outputs before it

@@ -60,9 +60,10 @@ class Scripted:
         asyncio.get_running_loop().call_soon(self.srv.client._on_msgs, self.srv.client.gen, msgs)
 
     def emit(self, *outs: RequestOutput | bytes) -> None:
-        """One engine step per argument, delivered in one callback as the socket reader does."""
+        """One engine step per argument, all in one callback, each read on its own (a daemon keeping up)."""
         msgs = [o if isinstance(o, bytes) else encode(Outputs.of([o])) for o in outs]
-        asyncio.get_running_loop().call_soon(lambda: [self.srv.client._on_msg(m) for m in msgs])
+        c = self.srv.client
+        asyncio.get_running_loop().call_soon(lambda: [c._on_msgs(c.gen, [m]) for m in msgs])  # type: ignore[arg-type]
 
 
 @pytest.fixture
