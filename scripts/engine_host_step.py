@@ -1,0 +1,126 @@
+"""What an engine step costs the host beside the model: `Engine.generate` on the CPU with a model small
+enough that its forward is not everything. From the repository root:
+`python scripts/engine_host_step.py [--config tiny-dummy] [--batch-sizes 32,64] [--repeats 5] [--output F.json]`.
+
+Each repeat is one `Engine.generate` over a static batch of random prompts (30-90 tokens) whose
+`max_new_tokens` are drawn from 64-256, so requests finish on different steps as served answers do.
+Every decode step is split into the model runner's forward (`ModelRunner.forward`, timed by wrapping
+it) and the rest: scheduling, KV page bookkeeping, sampling-row flags, the results' unpacking, the
+per-request deltas. On a GPU the forward is a graph replay and this rest is most of what a served step
+costs the host (the engine loop there is busy 97-99 % at 32-64 requests). Beside it, the step's deltas
+are put into the engine's per-step message (`Outputs.of` and `encode`, what the serving loop sends),
+timed apart. Prints a table (median and range over the repeats) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def one(e: Any, bs: int, seed: int, acc: list[float]) -> dict[str, float]:
+    from mleagle.engine.contract.protocol import Outputs, encode
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, e.arch.vocab_size) for _ in range(rng.randrange(30, 91))] for _ in range(bs)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(64, 257), temperature=0.0, ignore_eos=True) for _ in range(bs)]
+    step, n, host, fwd, msg, rows = e.step, [0], [0.0], [0.0], [0.0], [0]
+
+    def timed() -> list[Any]:
+        acc[0] = 0.0
+        t0 = time.perf_counter()
+        outs = step()
+        t1 = time.perf_counter()
+        if outs:
+            encode(Outputs.of(outs))
+        t2 = time.perf_counter()
+        if e.last_report.mode == "DECODE":
+            n[0] += 1
+            rows[0] += len(e.scheduler.running) or len(outs)
+            host[0] += t1 - t0 - acc[0]
+            fwd[0] += acc[0]
+            msg[0] += t2 - t1
+        return outs
+
+    e.step = timed
+    try:
+        t = time.perf_counter()
+        e.generate(prompts, params)
+        wall = time.perf_counter() - t
+    finally:
+        del e.step
+    k = max(n[0], 1)
+    return {"decode_steps": n[0], "mean_rows": rows[0] / k, "wall_s": wall,
+            "host_us": host[0] / k * 1e6, "forward_us": fwd[0] / k * 1e6, "message_us": msg[0] / k * 1e6,
+            "host_us_per_row": host[0] / max(rows[0], 1) * 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="tiny-dummy")
+    ap.add_argument("--batch-sizes", default="32,64")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    import torch
+
+    from mleagle.engine.core.engine import Engine
+    from mleagle.engine.executor import runner as R
+
+    torch.set_num_threads(a.threads)
+    bss = [int(x) for x in a.batch_sizes.split(",")]
+    e = Engine(a.config, device="cpu", draft="none", max_running_requests=max(bss), max_total_tokens=max(bss) * 400 + 1024)
+    acc = [0.0]
+    forward = R.ModelRunner.forward
+
+    def timed_forward(self: Any, *args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return forward(self, *args, **kw)
+        finally:
+            acc[0] += time.perf_counter() - t
+
+    R.ModelRunner.forward = timed_forward  # type: ignore[method-assign]
+    rows: list[dict[str, Any]] = []
+    for bs in bss:
+        one(e, bs, 1000 + bs, acc)  # every shape of this batch size met once
+        runs = [one(e, bs, r, acc) for r in range(a.repeats)]
+        row: dict[str, Any] = {"batch": bs, "runs": runs}
+        for k in ("host_us", "host_us_per_row", "forward_us", "message_us", "mean_rows"):
+            v = [r[k] for r in runs]
+            row[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+        rows.append(row)
+    head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
+    print(f"{a.config} on {platform.node()} ({platform.processor() or platform.machine()}), torch threads {a.threads}; "
+          f"decode steps only, median (min-max) of {a.repeats} repeats")
+    print(head)
+
+    def f(d: dict[str, float], p: int = 0) -> str:
+        return f"{d['median']:.{p}f} ({d['min']:.{p}f}-{d['max']:.{p}f})"
+
+    for r in rows:
+        print(f"{r['batch']:>5} {r['mean_rows']['median']:>9.1f} {f(r['host_us']):>22} {f(r['host_us_per_row'], 1):>18} "
+              f"{f(r['forward_us']):>22} {f(r['message_us']):>18}")
+    if a.output:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
+               "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
+               "config": a.config, "rows": rows}
+        Path(a.output).write_text(json.dumps(out, indent=1))
+        print(f"wrote {a.output}")
+
+
+if __name__ == "__main__":
+    main()
