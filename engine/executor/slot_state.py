@@ -17,6 +17,7 @@ tensors this class hands them), and the drafts and draft distributions of sample
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,6 +71,10 @@ class SlotState:
         self.h_minnew = np.zeros(r, np.int64)
         self.h_lp = np.full(r, -1, np.int64)
         self.h_coupled = np.zeros(r, bool)
+        # The last batch's flags by its rows: a decoding batch keeps its rows from step to step, and the
+        # mirrors change only at admission (which forgets this), so most steps reuse them.
+        self._flags_rows: list[int] | None = None
+        self._flags: RowFlags | None = None
         self._ar = torch.arange(max(steps, 1) + 1, device=device)
         self._unforced = full(-1, i64)[0]  # "no forced acceptance" for the greedy accept kernel
 
@@ -85,6 +90,7 @@ class SlotState:
         v = self.vocab
         rows = [r.req_pool_idx for r in reqs]
         ps = [r.params for r in reqs]
+        self._flags_rows = self._flags = None
         idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
         def put(t: torch.Tensor, vals: list[list]) -> None:  # one field per list, in the rows' order
@@ -145,14 +151,19 @@ class SlotState:
     # --- per batch -----------------------------------------------------------------------------
     def flags(self, rows: Sequence[int], reqs: Sequence[Req] | None = None) -> RowFlags:
         """Host flags for a batch from the mirrors (bans only while some request is under its minimum)."""
-        r = np.asarray(rows, dtype=np.int64)
-        bans = bool((self.h_minnew[r] > 0).any())
-        if bans and reqs is not None:
-            bans = any(len(q.output_ids) < q.params.min_new_tokens + self.steps + 1 for q in reqs)
-        return RowFlags(all_greedy=bool(self.h_greedy[r].all()), penalties=bool(self.h_pen[r].any()),
-                        filters=bool(self.h_filter[r].any()), min_p=bool(self.h_minp[r].any()), bans=bans,
-                        logprobs=int(self.h_lp[r].max()) if len(r) else -1,
-                        coupled=bool(self.h_coupled[r].any()))
+        if rows == self._flags_rows and self._flags is not None:
+            flags = self._flags
+        else:
+            r = np.asarray(rows, dtype=np.int64)
+            flags = RowFlags(all_greedy=bool(self.h_greedy[r].all()), penalties=bool(self.h_pen[r].any()),
+                             filters=bool(self.h_filter[r].any()), min_p=bool(self.h_minp[r].any()),
+                             bans=bool((self.h_minnew[r] > 0).any()), logprobs=int(self.h_lp[r].max()) if len(r) else -1,
+                             coupled=bool(self.h_coupled[r].any()))
+            self._flags_rows, self._flags = list(rows), flags
+        if flags.bans and reqs is not None and \
+                not any(len(q.output_ids) < q.params.min_new_tokens + self.steps + 1 for q in reqs):
+            flags = dataclasses.replace(flags, bans=False)
+        return flags
 
     def rows(self, rpi: torch.Tensor, width: int, flags: RowFlags, offset: int = 0,
              it_offset: int = 0) -> SamplingRows:

@@ -120,6 +120,8 @@ class MemoryManager:
         decoding request takes pages in blocks and most steps need no allocation and no map write."""
         if new_len > self.max_context:
             raise ValueError(f"position {new_len} beyond the request-to-token map ({self.max_context})")
+        if req.req_pool_idx is not None and new_len <= len(req.pages) * self.page_size:
+            return True  # its pages cover it: most decode steps (each request, every step)
         if req.req_pool_idx is None:
             if not self.free_reqs:
                 return False

@@ -40,6 +40,22 @@ def test_admission_fills_rows_and_host_flags() -> None:
     assert st.draft_q is not None  # a sampled request under speculation needs draft distributions
 
 
+def test_batch_flags_follow_a_row_readmitted_with_other_params() -> None:
+    """The flags of a batch are reused while its rows stay (most decode steps); a row given to another
+    request with other parameters must change them, and a minimum reached turns the bans off."""
+    st = _state()
+    st.admit([_req(0, temperature=0.0), _req(1, temperature=0.0)])
+    assert st.flags([0, 1]).plain and st.flags([0, 1]) is st.flags([0, 1])
+    st.admit([_req(1, temperature=0.7, logprobs=2)])  # row 1 freed and taken by a sampled request
+    f = st.flags([0, 1])
+    assert not f.all_greedy and f.logprobs == 2
+    m = _req(2, temperature=0.0, min_new_tokens=2)
+    st.admit([m])
+    assert st.flags([0, 2], [m]).bans
+    m.output_ids = [5] * (2 + S + 1)  # past its minimum, counting the drafts a verify adds
+    assert not st.flags([0, 2], [m]).bans and st.flags([0, 2]).bans
+
+
 def test_commit_advances_live_rows_only() -> None:
     st = _state()
     st.admit([_req(0), _req(1)])
