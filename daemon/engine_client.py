@@ -39,7 +39,7 @@ import zmq
 from mleagle.daemon.zmq_reader import ZmqReader
 from mleagle.engine.contract.channel import DaemonChannel
 from mleagle.engine.contract.config import MleagleConfig
-from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.outputs import RequestOutput, TokenOutput
 from mleagle.engine.contract.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -103,19 +103,6 @@ def load_tokenizer(path: str) -> Any:
     tok = Tokenizer.load(path)
     tok.decode(tok.encode_chat([{"role": "user", "content": "warm up"}]))
     return tok
-
-
-class TokenOutput:
-    """A `TokenDelta` as the engine client delivers it: read like the `RequestOutput` it stands for,
-    whose other fields are unset (class attributes here, so an instance is four slots)."""
-
-    __slots__ = ("num_cached_tokens", "num_output_tokens", "rid", "token_ids")
-    finished = False
-    logprobs = prompt_logprobs = finish_reason = matched_stop = error = spec = timing = None
-
-    def __init__(self, rid: str, token_ids: list[int], num_output_tokens: int, num_cached_tokens: int) -> None:
-        self.rid, self.token_ids = rid, token_ids
-        self.num_output_tokens, self.num_cached_tokens = num_output_tokens, num_cached_tokens
 
 
 @dataclass
@@ -363,16 +350,16 @@ class EngineClient:
         that request (a whole `RequestOutput`: logprobs, the end) or before any other kind of message;
         the caller delivers what is left (`_release`). Without it, delivered at once."""
         if isinstance(msg, Outputs):
-            for rid, ids, _, n_out, n_cached in msg.tokens:
+            for rid, ids, n_prompt, n_out, n_cached in msg.tokens:
                 t = held.get(rid) if held is not None else None
                 if t is not None:  # the same request in an earlier step of this batch: one delta
                     t.token_ids.extend(ids)
                     t.num_output_tokens, t.num_cached_tokens = n_out, n_cached
                     self.coalesced += 1
                 elif held is not None:
-                    held[rid] = TokenOutput(rid, ids, n_out, n_cached)
+                    held[rid] = TokenOutput(rid, ids, n_prompt, n_out, n_cached)
                 else:
-                    self._deliver(TokenOutput(rid, ids, n_out, n_cached))
+                    self._deliver(TokenOutput(rid, ids, n_prompt, n_out, n_cached))
             for o in msg.outputs:  # first deltas went ahead in `_on_msgs`
                 t = held.pop(o.rid, None) if held is not None else None
                 if t is not None:

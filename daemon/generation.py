@@ -36,11 +36,10 @@ from mleagle.daemon.engine_client import (
     EngineDead,
     EngineRequestFailed,
     EngineUnavailable,
-    TokenOutput,
 )
 from mleagle.daemon.errors import APIError
 from mleagle.daemon.metrics import Metrics
-from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
+from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob, TokenOutput
 from mleagle.engine.contract.sampling_params import SamplingParams
 
 log = logging.getLogger("mleagle.daemon")

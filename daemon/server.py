@@ -40,7 +40,7 @@ else:  # aiohttp's own dependency before 3.11
     from async_timeout import timeout
 
 from mleagle.daemon.body import read_json
-from mleagle.daemon.engine_client import EngineClient, EngineUnavailable, TokenOutput
+from mleagle.daemon.engine_client import EngineClient, EngineUnavailable
 from mleagle.daemon.errors import APIError, from_validation
 from mleagle.daemon.events_relay import EventsRelay
 from mleagle.daemon.generation import Choice, Delta, Generation
@@ -49,7 +49,7 @@ from mleagle.daemon.openai_api import ChatRequest, CompletionRequest, GenerateRe
 from mleagle.daemon.structured import Constraint, tool_calls, tool_prompt
 from mleagle.engine.contract.config import MleagleConfig
 from mleagle.engine.contract.gc_watch import GcWatch, freeze
-from mleagle.engine.contract.outputs import RequestOutput, TokenLogprob
+from mleagle.engine.contract.outputs import RequestOutput, TokenLogprob, TokenOutput
 from mleagle.engine.contract.protocol import peak_rss_mb
 from mleagle.engine.contract.sampling_params import SamplingParams
 

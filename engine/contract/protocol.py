@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from mleagle.engine.contract.outputs import RequestOutput, TokenDelta
+from mleagle.engine.contract.outputs import RequestOutput, StepOutput, TokenDelta, TokenOutput
 from mleagle.engine.contract.sampling_params import SamplingParams
 
 # 2: running deltas travel as `TokenDelta` arrays (`Outputs.tokens`); 3: `EventDetail`
@@ -100,12 +100,13 @@ class Outputs(_Msg):
     sent: float = 0.0  # time.monotonic() as the engine process sent it (0: not stamped)
 
     @classmethod
-    def of(cls, deltas: Sequence[RequestOutput]) -> Outputs:
+    def of(cls, deltas: Sequence[StepOutput]) -> Outputs:
         outputs: list[RequestOutput] = []
         tokens: list[TokenDelta] = []
         for o in deltas:
-            t = o.token_delta()
-            if t is None:
+            if isinstance(o, TokenOutput):
+                tokens.append(o.token_delta())
+            elif (t := o.token_delta()) is None:
                 outputs.append(o)
             else:
                 tokens.append(t)

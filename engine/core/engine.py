@@ -39,7 +39,7 @@ from mleagle.engine.contract.config import (
     resolve_draft,
 )
 from mleagle.engine.contract.detokenizer import StopChecker
-from mleagle.engine.contract.outputs import RequestOutput, SpecStats, TokenLogprob
+from mleagle.engine.contract.outputs import SpecStats, StepOutput, TokenLogprob
 from mleagle.engine.contract.sampling_params import SamplingParams
 from mleagle.engine.contract.tokenizer import Tokenizer
 from mleagle.engine.core.request import Req
@@ -82,12 +82,12 @@ class StepControl(Protocol):
 
     def submit(self, msg: tuple[Any, ...]) -> None: ...
 
-    def run_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]: ...
+    def run_step(self, step: Callable[[], list[StepOutput]]) -> list[StepOutput]: ...
 
     def close(self) -> None: ...
 
 
-StepObserver = Callable[[list[RequestOutput], StepReport], None]
+StepObserver = Callable[[list[StepOutput], StepReport], None]
 
 
 def check_constraint(runtime: Any, params: SamplingParams) -> None:
@@ -367,11 +367,11 @@ class Engine:
         else:
             raise ValueError(f"unknown control message {msg[0]!r}")
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """One scheduler step (under tensor parallelism, through the control that keeps the ranks together)."""
         return self._step() if self.control is None else self.control.run_step(self._step)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[StepOutput]:
         outs = self.scheduler.step()
         policy = getattr(self.worker, "policy", None)
         if policy is not None and policy.publish and self.control is not None:
@@ -587,7 +587,7 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def stream(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
-               chat: bool = False) -> Iterator[tuple[int, RequestOutput]]:
+               chat: bool = False) -> Iterator[tuple[int, StepOutput]]:
         """Yield (prompt index, delta) as the engine steps, until every prompt is finished."""
         plist = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
         rids: list[str] = []

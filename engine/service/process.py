@@ -38,7 +38,7 @@ from typing import Any
 from mleagle.engine.contract.channel import EngineChannel
 from mleagle.engine.contract.config import MleagleConfig
 from mleagle.engine.contract.gc_watch import GcWatch, freeze
-from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.outputs import RequestOutput, StepOutput
 from mleagle.engine.contract.protocol import (
     AbortRequest,
     AddRequest,
@@ -169,7 +169,7 @@ class EngineLoop:
         """One scheduler step; returns an exit code when the engine is beyond saving."""
         t0 = time.perf_counter()
         try:
-            outs: list[RequestOutput] = self.engine.step()
+            outs: list[StepOutput] = self.engine.step()
             self.failures = 0
         except Exception as e:
             self.failures += 1

@@ -28,7 +28,7 @@ from mleagle.engine.contract import events as ev
 
 if TYPE_CHECKING:
     from mleagle.engine.contract.event_bus import EventBus
-    from mleagle.engine.contract.outputs import RequestOutput
+    from mleagle.engine.contract.outputs import StepOutput
     from mleagle.engine.core.engine import Engine
     from mleagle.engine.core.scheduler import StepReport
     from mleagle.engine.executor.forward_batch import ForwardBatch, ForwardOutput, RowMeta
@@ -81,14 +81,14 @@ class Telemetry:
             global_num_tokens_for_logprob=list(m.global_num_tokens_for_logprob), tp_size=m.tp_size,
             layout=m.layout, agree=m.agree and rows == m.logit_rows == expected, step=step))
 
-    def on_step(self, outputs: list[RequestOutput], report: StepReport) -> None:
+    def on_step(self, outputs: list[StepOutput], report: StepReport) -> None:
         t0 = time.perf_counter()
         try:
             self._on_step(outputs, report)
         finally:
             self.spent_s += time.perf_counter() - t0
 
-    def _on_step(self, outputs: list[RequestOutput], report: StepReport) -> None:
+    def _on_step(self, outputs: list[StepOutput], report: StepReport) -> None:
         new_tokens = sum(len(o.token_ids) for o in outputs)
         self.gen_total += new_tokens
         now = time.time()
@@ -159,7 +159,7 @@ class Telemetry:
                                   req_used=u["req_used"], req_total=u["req_total"],
                                   page_size=self.e.allocator.page_size, step=step))
 
-    def _requests(self, outputs: list[RequestOutput], report: StepReport) -> None:
+    def _requests(self, outputs: list[StepOutput], report: StepReport) -> None:
         """Request lifecycle: running, preempted, finished (with their tokens when the operator asked)."""
         s, bus = self.e.scheduler, self.bus
         main, last = self._verify(report)

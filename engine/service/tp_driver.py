@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mleagle.engine.contract.config import MleagleConfig
-from mleagle.engine.contract.outputs import RequestOutput
+from mleagle.engine.contract.outputs import StepOutput
 from mleagle.engine.core.engine import Engine, resolve_engine_config
 from mleagle.engine.distributed import TPGroup
 from mleagle.engine.errors import EngineInputError
@@ -49,7 +49,7 @@ from mleagle.engine.service.ranks import (
 log = logging.getLogger("mleagle.engine.tp")
 
 
-def outputs_digest(outs: Sequence[RequestOutput]) -> int:
+def outputs_digest(outs: Sequence[StepOutput]) -> int:
     """A cheap fingerprint of one step's outputs, equal on ranks that made the same tokens."""
     key = repr([(o.rid, list(o.token_ids), o.finished, o.finish_reason) for o in outs])
     return zlib.crc32(key.encode())
@@ -68,7 +68,7 @@ class TPDriver:
         if self.rt.rank == 0:
             self.outbox.append(msg)
 
-    def run_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+    def run_step(self, step: Callable[[], list[StepOutput]]) -> list[StepOutput]:
         try:
             if self.rt.rank == 0:
                 self.rt.send(Control(self.outbox, step=True, digest=self.digest))

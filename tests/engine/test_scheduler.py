@@ -5,7 +5,10 @@ was (mode, forwards, prompt tokens, requests added) for the engine's observers."
 
 from __future__ import annotations
 
-from mleagle.engine.contract.outputs import RequestOutput
+import itertools
+
+from mleagle.engine.contract.outputs import RequestOutput, StepOutput, TokenOutput
+from mleagle.engine.contract.protocol import Outputs, decode_engine_msg, encode
 from mleagle.engine.core.scheduler import StepReport
 from tests.spec_helpers import all_free, greedy, run, tiny_engine
 
@@ -52,7 +55,7 @@ def test_short_pool_preempts_the_newest_and_loses_nothing() -> None:
 
 def test_step_report_says_what_the_step_did() -> None:
     e = tiny_engine("random:2")
-    seen: list[tuple[list[RequestOutput], StepReport]] = []
+    seen: list[tuple[list[StepOutput], StepReport]] = []
     e.observers.append(lambda outs, rep: seen.append((outs, rep)))
     e.add_request("a", [1, 2, 3, 4], greedy(8))
     e.step()
@@ -69,6 +72,37 @@ def test_step_report_says_what_the_step_did() -> None:
     assert e.last_report is rep and rep.step == e.scheduler.num_steps - 1
 
 
+def test_a_delta_that_is_new_tokens_only_is_a_token_output() -> None:
+    """A running request's steps hand back `TokenOutput`s (no pydantic model per request per step); its
+    first delta (the TTFT marks), any delta with logprobs and its last are whole `RequestOutput`s. The
+    engine's message carries the former as `TokenDelta`s, and the request's tokens and counts read the
+    same from either."""
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    e = tiny_engine("random:2")
+    e.add_request("plain", [1, 2, 3], greedy(12))
+    e.add_request("lp", [4, 5, 6], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=1))
+    got: dict[str, list[StepOutput]] = {"plain": [], "lp": []}
+    wire: list[int] = []
+    while e.has_work():
+        outs = e.step()
+        for o in outs:
+            got[o.rid].append(o)
+        msg = decode_engine_msg(encode(Outputs.of(outs)))
+        assert isinstance(msg, Outputs)
+        wire += [t for rid, ids, *_ in msg.tokens if rid == "plain" for t in ids]
+    plain = got["plain"]
+    assert isinstance(plain[0], RequestOutput) and plain[0].timing is not None
+    assert isinstance(plain[-1], RequestOutput) and plain[-1].finished and plain[-1].spec is not None
+    middle = plain[1:-1]
+    assert middle and all(isinstance(o, TokenOutput) and not o.finished and o.logprobs is None for o in middle)
+    assert [o.num_output_tokens for o in plain] == list(itertools.accumulate(len(o.token_ids) for o in plain))
+    assert all(o.num_prompt_tokens == 3 for o in plain)
+    assert wire == [t for o in middle for t in o.token_ids]  # only the middle ones travel as token deltas
+    assert all(isinstance(o, RequestOutput) and o.logprobs for o in got["lp"])
+    assert all_free(e)
+
+
 def test_aborts_end_waiting_and_running_requests() -> None:
     e = tiny_engine("none", max_running_requests=1)
     e.add_request("run", [1, 2], greedy(30))
@@ -76,7 +110,7 @@ def test_aborts_end_waiting_and_running_requests() -> None:
     e.step()
     e.abort("run")
     e.abort("wait")
-    outs: list[RequestOutput] = []
+    outs: list[StepOutput] = []
     while e.has_work():
         outs += e.step()
     assert {o.rid: o.finish_reason for o in outs if o.finished} == {"run": "abort", "wait": "abort"}
