@@ -9,7 +9,10 @@ it) and the rest: scheduling, KV page bookkeeping, sampling-row flags, the resul
 per-request deltas. On a GPU the forward is a graph replay and this rest is most of what a served step
 costs the host (the engine loop there is busy 97-99 % at 32-64 requests). Beside it, the step's deltas
 are put into the engine's per-step message (`Outputs.of` and `encode`, what the serving loop sends),
-timed apart. Prints a table (median and range over the repeats) and writes JSON.
+timed apart, and with `--events` the state events the engine process attaches (its telemetry hooks
+and the pump that publishes them, sampled as `mleagle serve` starts them, no subscriber) are taken
+out of the host figure and timed apart too. Prints a table (median and range over the repeats) and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -25,32 +28,36 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def one(e: Any, bs: int, seed: int, acc: list[float]) -> dict[str, float]:
+def one(e: Any, bs: int, seed: int, acc: list[float], pump: Any = None) -> dict[str, float]:
     from mleagle.engine.contract.protocol import Outputs, encode
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, e.arch.vocab_size) for _ in range(rng.randrange(30, 91))] for _ in range(bs)]
     params = [SamplingParams(max_new_tokens=rng.randrange(64, 257), temperature=0.0, ignore_eos=True) for _ in range(bs)]
-    step, n, host, fwd, msg, rows = e.step, [0], [0.0], [0.0], [0.0], [0]
+    step, n, host, fwd, msg, rows, events = e.step, [0], [0.0], [0.0], [0.0], [0], [0.0]
 
     def timed() -> list[Any]:
         acc[0] = 0.0
+        tel0 = pump.telemetry.spent_s if pump is not None else 0.0
         t0 = time.perf_counter()
         outs = step()
         t1 = time.perf_counter()
         if outs:
             encode(Outputs.of(outs))
         t2 = time.perf_counter()
+        if pump is not None:  # the serving loop's state events: the step's telemetry hooks, then the pump
+            pump.pump()
+        t3 = time.perf_counter()
         if e.last_report.mode == "DECODE":
+            tel = pump.telemetry.spent_s - tel0 if pump is not None else 0.0
             n[0] += 1
             rows[0] += len(e.scheduler.running) or len(outs)
-            host[0] += t1 - t0 - acc[0]
+            host[0] += t1 - t0 - acc[0] - tel
             fwd[0] += acc[0]
             msg[0] += t2 - t1
+            events[0] += tel + t3 - t2
         return outs
 
     e.step = timed
@@ -63,6 +70,7 @@ def one(e: Any, bs: int, seed: int, acc: list[float]) -> dict[str, float]:
     k = max(n[0], 1)
     return {"decode_steps": n[0], "mean_rows": rows[0] / k, "wall_s": wall,
             "host_us": host[0] / k * 1e6, "forward_us": fwd[0] / k * 1e6, "message_us": msg[0] / k * 1e6,
+            "events_us": events[0] / k * 1e6,
             "host_us_per_row": host[0] / max(rows[0], 1) * 1e6}
 
 
@@ -72,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
+    ap.add_argument("--events", action="store_true",
+                    help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     import torch
@@ -93,16 +103,27 @@ def main() -> None:
             acc[0] += time.perf_counter() - t
 
     R.ModelRunner.forward = timed_forward  # type: ignore[method-assign]
+    pump = None
+    if a.events:
+        import tempfile
+
+        from mleagle.engine.contract.event_bus import ZmqEventPublisher
+        from mleagle.engine.service.process import EventPump
+
+        pump = EventPump(ZmqEventPublisher(f"ipc://{tempfile.mkdtemp(prefix='mleagle-ehs-')}/events"))
+        pump.attach(e)  # as `mleagle serve` starts it: one step's per-step events every 0.1 s
     rows: list[dict[str, Any]] = []
     for bs in bss:
-        one(e, bs, 1000 + bs, acc)  # every shape of this batch size met once
-        runs = [one(e, bs, r, acc) for r in range(a.repeats)]
+        one(e, bs, 1000 + bs, acc, pump)  # every shape of this batch size met once
+        runs = [one(e, bs, r, acc, pump) for r in range(a.repeats)]
         row: dict[str, Any] = {"batch": bs, "runs": runs}
-        for k in ("host_us", "host_us_per_row", "forward_us", "message_us", "mean_rows"):
+        for k in ("host_us", "host_us_per_row", "forward_us", "message_us", "events_us", "mean_rows"):
             v = [r[k] for r in runs]
             row[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         rows.append(row)
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
+    if pump is not None:
+        head += f" {'events us/step':>18}"
     print(f"{a.config} on {platform.node()} ({platform.processor() or platform.machine()}), torch threads {a.threads}; "
           f"decode steps only, median (min-max) of {a.repeats} repeats")
     print(head)
@@ -112,12 +133,15 @@ def main() -> None:
 
     for r in rows:
         print(f"{r['batch']:>5} {r['mean_rows']['median']:>9.1f} {f(r['host_us']):>22} {f(r['host_us_per_row'], 1):>18} "
-              f"{f(r['forward_us']):>22} {f(r['message_us']):>18}")
+              f"{f(r['forward_us']):>22} {f(r['message_us']):>18}" + (f" {f(r['events_us']):>18}" if pump is not None else ""))
     if a.output:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        import mleagle
+
+        tree = Path(mleagle.__file__).resolve().parent  # the tree measured (not necessarily this script's)
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
-               "config": a.config, "rows": rows}
+               "config": a.config, "events": a.events, "rows": rows}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 

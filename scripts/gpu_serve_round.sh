@@ -2,7 +2,7 @@
 # On the GPU machine: one round of the serving figures (issues of speculation policy and serving
 # speed), each step's output in OUT, in the order a short session wants them:
 #
-#   scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone]
+#   scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone,host]
 #
 #   1. OUT/gpu_tests.log: the GPU tests of graphs, kernels, the engine loop and the policy;
 #   2. OUT/serve_matrix.{json,md,log}: `bench serve-matrix` with arms target (`--draft none`), auto (the
@@ -11,12 +11,14 @@
 #      split (also after the first wave), the policy's explore iterations by reason and the daemon's
 #      merged deltas;
 #   3. OUT/daemon_alone.{json,log}: `scripts/daemon_alone.py --spin` at a step every 2 and 1 ms, 32 and
-#      64 streams: the daemon's own ceiling on this host, beside what the engine makes there.
+#      64 streams: the daemon's own ceiling on this host, beside what the engine makes there;
+#   4. OUT/engine_host_step.{json,log}: `scripts/engine_host_step.py`, the engine's host time per decode
+#      step beside the model (the tiny model on this host's CPU), to set against the dev VM's figures.
 #
 # Prompts from $MLEAGLE_DATA_DIR (MT-Bench). PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:?usage: scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone]}"
+OUT="${1:?usage: scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone,host]}"
 shift
 REPEATS=3
 CONC="1,8,32,64"
@@ -48,4 +50,8 @@ if ! skip alone; then
   echo "[round] the daemon alone"
   "$PY" scripts/daemon_alone.py --spin --step-ms 2,1 --concurrency 32,64 --repeats 2 \
     --output "$OUT/daemon_alone.json" 2>&1 | tee "$OUT/daemon_alone.log" | tail -n 8
+fi
+if ! skip host; then
+  echo "[round] the engine's host time per decode step"
+  "$PY" scripts/engine_host_step.py --output "$OUT/engine_host_step.json" 2>&1 | tee "$OUT/engine_host_step.log" | tail -n 4
 fi
