@@ -89,6 +89,7 @@ class Scheduler:
         self.overlap = overlap
         self.prefill_wait = prefill_wait  # steps an arrival may wait to share its prefill (`_hold_arrivals`)
         self.num_held = 0  # steps that held arrivals back so (counted for the engine's stats)
+        self.moves = 0  # changes of the running set (admitted, ended, preempted): observers skip unchanged steps
         self.inflight: Pending | None = None  # a decode step launched and not yet finished
         # Prefix cache, vLLM's counters: prompt tokens looked up and found, at first admission.
         self.prefix_queries = self.prefix_hits = 0
@@ -114,6 +115,7 @@ class Scheduler:
         self._release(req)
         if req in self.running:
             self.running.remove(req)
+            self.moves += 1
 
     # --- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -294,6 +296,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 req.state = ReqState.RUNNING
                 self.running.append(req)
+                self.moves += 1
                 n_running += 1
             reqs.append(req)
             chunks.append(chunk)
@@ -342,6 +345,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
+        self.moves += 1
         req.queued_step = -self.prefill_wait  # a resume does not wait for company
         self.waiting.appendleft(req)
 

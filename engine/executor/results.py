@@ -164,6 +164,8 @@ def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
     """Per request: the emitted tokens, and their logprobs where the request asked for them."""
     w = p.width
     rows = p.packed.tolist()
+    if p.flags.logprobs < 0:  # no row asked for logprobs: tokens only
+        return [([int(t) for t in row[: int(row[w])]], None) for _, row in zip(p.reqs, rows)]
     top_n = max(p.flags.logprobs, 0)
     res = []
     for r, row in zip(p.reqs, rows):

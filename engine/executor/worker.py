@@ -112,6 +112,10 @@ class TargetWorker:
         self.depth = 0
         self.graph_report = "cuda graphs: not captured"
         self._pinned = self.device.type == "cuda"
+        # The last rows' index tensor: a decoding batch keeps its rows from step to step, and the tensor
+        # is only ever read (graphs copy it into their own buffers), so most launches reuse it.
+        self._rpi_rows: list[int | None] = []
+        self._rpi: torch.Tensor | None = None
         # The last prefill's first tokens, on their way back, and the results they belong to (`settle_prefill`).
         self._first: tuple[Pending, list[StepResult]] | None = None
         self._ar = torch.arange(128, device=self.device)
@@ -490,8 +494,13 @@ class TargetWorker:
 
     # --- decode (device-resident) ----------------------------------------------------------------
     def rpi_of(self, reqs: Sequence[Req]) -> torch.Tensor:
-        t = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        return t.pin_memory().to(self.device, non_blocking=True) if self._pinned else t
+        rows = [r.req_pool_idx for r in reqs]
+        if rows == self._rpi_rows and self._rpi is not None:
+            return self._rpi
+        t = torch.tensor(rows, dtype=torch.int64)
+        t = t.pin_memory().to(self.device, non_blocking=True) if self._pinned else t
+        self._rpi_rows, self._rpi = rows, t
+        return t
 
     def view(self, mode: ForwardMode, rpi: torch.Tensor, input_ids: torch.Tensor, width: int,
              logit_rows: torch.Tensor, host: HostView, pruned: bool = False,

@@ -47,6 +47,7 @@ class Telemetry:
         self.pending: StepReport | None = None  # the last step, when it was left out: reported at idle
         self.start = time.time()
         self.running: set[str] = set()
+        self.moves = -1  # the scheduler's `moves` when `running` was read
         self.prompt_total = self.gen_total = self.finished_total = 0
         self.forwards: dict[str, int] = {}
         self.last_status = 0.0
@@ -163,13 +164,15 @@ class Telemetry:
         """Request lifecycle: running, preempted, finished (with their tokens when the operator asked)."""
         s, bus = self.e.scheduler, self.bus
         main, last = self._verify(report)
-        running = {r.rid for r in s.running}
-        for rid in running - self.running:
-            bus.emit(ev.RequestEvent(rid=rid, state="running"))
-        waiting = {r.rid for r in s.waiting}
-        for rid in (self.running - running) & waiting:
-            bus.emit(ev.RequestEvent(rid=rid, state="preempted"))
-        self.running = running
+        if s.moves != self.moves:  # the running set changed: who started, who was preempted
+            self.moves = s.moves
+            running = {r.rid for r in s.running}
+            for rid in running - self.running:
+                bus.emit(ev.RequestEvent(rid=rid, state="running"))
+            waiting = {r.rid for r in s.waiting}
+            for rid in (self.running - running) & waiting:
+                bus.emit(ev.RequestEvent(rid=rid, state="preempted"))
+            self.running = running
         tok = self.e.tokenizer
         with_tokens = self.e.cfg.server.events_include_text
         # In a verify step a request's tokens are its accepted drafts (depth 1..n) then the target's
