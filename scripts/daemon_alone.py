@@ -151,7 +151,9 @@ async def daemon_async(port: int, step_s: float, spin: bool, vary: bool, ready: 
 
 
 def daemon_main(port: int, step_s: float, spin: bool, vary: bool, ready: Any) -> None:
-    from mleagle.daemon.lifecycle import loop_factory
+    from mleagle.daemon.lifecycle import loop_factory, tokenize_serially
+
+    tokenize_serially()  # as `mleagle serve` does
 
     with asyncio.Runner(loop_factory=loop_factory()) as r:  # the loop `mleagle serve` runs on
         r.run(daemon_async(port, step_s, spin, vary, ready))
