@@ -77,6 +77,8 @@ def one(e: Any, bs: int, seed: int, acc: list[float], pump: Any = None) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny-dummy")
+    ap.add_argument("--draft", default="none", help="none, a draft folder, or random:S (random draft layers)")
+    ap.add_argument("--spec-policy", default="always", help="with a draft: always (depth S every step), auto, ...")
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
@@ -91,7 +93,9 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     bss = [int(x) for x in a.batch_sizes.split(",")]
-    e = Engine(a.config, device="cpu", draft="none", max_running_requests=max(bss), max_total_tokens=max(bss) * 400 + 1024)
+    over: dict[str, Any] = {"spec_policy": a.spec_policy} if a.draft != "none" else {}
+    e = Engine(a.config, device="cpu", draft=a.draft, max_running_requests=max(bss), max_total_tokens=max(bss) * 400 + 1024,
+               **over)
     acc = [0.0]
     forward = R.ModelRunner.forward
 
@@ -124,7 +128,7 @@ def main() -> None:
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
         head += f" {'events us/step':>18}"
-    print(f"{a.config} on {platform.node()} ({platform.processor() or platform.machine()}), torch threads {a.threads}; "
+    print(f"{a.config}, draft {a.draft}{f' ({a.spec_policy})' if a.draft != 'none' else ''} on {platform.node()} ({platform.processor() or platform.machine()}), torch threads {a.threads}; "
           f"decode steps only, median (min-max) of {a.repeats} repeats")
     print(head)
 
@@ -141,7 +145,8 @@ def main() -> None:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
-               "config": a.config, "events": a.events, "rows": rows}
+               "config": a.config, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
+               "events": a.events, "rows": rows}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 

@@ -407,5 +407,5 @@ class Scheduler:
             rid=req.rid, token_ids=new, logprobs=lps, prompt_logprobs=plps,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             error=req.error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached_tokens, spec=req.spec if req.finished else None, timing=timing,
+            num_cached_tokens=req.num_cached_tokens, spec=req.spec.stats() if req.finished and req.spec is not None else None, timing=timing,
         )

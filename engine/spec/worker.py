@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from mleagle.engine.contract.outputs import SpecStats
-from mleagle.engine.core.request import Req, ReqState
+from mleagle.engine.core.request import Req, ReqState, SpecCounts
 from mleagle.engine.executor.extend_graph import ExtendGraphRunner
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
@@ -817,27 +817,40 @@ class SpecWorker(TargetWorker):
         draft_s = sum(layer)
         self.layer_times = list(layer)
         self.last = IterationStats(len(p.reqs), acc, verify_s, draft_s, list(layer))
-        s = self.steps
-        self.stats.num_verify += len(p.reqs)
-        self.stats.verify_time_s += verify_s
-        self.stats.draft_time_s += draft_s
+        s, st = self.steps, self.stats
+        st.num_verify += len(p.reqs)
+        st.verify_time_s += verify_s
+        st.draft_time_s += draft_s
+        v, d = verify_s / len(p.reqs), draft_s / len(p.reqs)
+        stale: dict[int, int] = {}  # stale boundary positions by accepted count
+        n_drafted = n_accepted = n_stale = 0
+        per_depth = [0] * s
         for r, n, out in zip(p.reqs, acc, res):
             if not out.tokens:  # preempted or finished since the launch: not an iteration of it
                 continue
-            if r.spec is None:
-                r.spec = SpecStats(accepted_per_depth=[0] * s)
             sp = r.spec
+            if sp is None:
+                sp = r.spec = SpecCounts(s)
             sp.num_verify += 1
             sp.num_draft_tokens += depth
             sp.num_accepted_tokens += n
-            sp.verify_time_s += verify_s / len(p.reqs)
-            sp.draft_time_s += draft_s / len(p.reqs)
-            self.stats.num_draft_tokens += depth
-            self.stats.num_accepted_tokens += n
+            sp.verify_time_s += v
+            sp.draft_time_s += d
+            n_drafted += depth
+            n_accepted += n
             for j in range(n):
                 sp.accepted_per_depth[j] += 1
-                self.stats.accepted_per_depth[j] += 1
-            self.boundary_kv_stale_positions += self.stale_positions(n, depth)
+                per_depth[j] += 1
+            k = stale.get(n)
+            if k is None:
+                k = stale[n] = self.stale_positions(n, depth)
+            n_stale += k
+        # The engine's totals once per iteration: a pydantic model's attribute sets are not free.
+        st.num_draft_tokens += n_drafted
+        st.num_accepted_tokens += n_accepted
+        for j, c in enumerate(per_depth):
+            st.accepted_per_depth[j] += c
+        self.boundary_kv_stale_positions += n_stale
 
     def reset_counters(self, keep_policy_costs: bool = False) -> None:
         super().reset_counters()
