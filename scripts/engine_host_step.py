@@ -11,8 +11,9 @@ costs the host (the engine loop there is busy 97-99 % at 32-64 requests). Beside
 are put into the engine's per-step message (`Outputs.of` and `encode`, what the serving loop sends),
 timed apart, and with `--events` the state events the engine process attaches (its telemetry hooks
 and the pump that publishes them, sampled as `mleagle serve` starts them, no subscriber) are taken
-out of the host figure and timed apart too. Prints a table (median and range over the repeats) and
-writes JSON.
+out of the host figure and timed apart too. Then 100 arrivals of 60 tokens at an idle engine, one at
+a time: the host time of each one's prefill step beside its forward (a served first token's engine
+part). Prints a table (median and range over the repeats) and writes JSON.
 """
 
 from __future__ import annotations
@@ -74,6 +75,27 @@ def one(e: Any, bs: int, seed: int, acc: list[float], pump: Any = None) -> dict[
             "host_us_per_row": host[0] / max(rows[0], 1) * 1e6}
 
 
+def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, float]:
+    """`n` arrivals at an idle engine, one at a time (a request of 60 tokens that ends at its first
+    token): each one's prefill step, host and forward, as a served request's first token pays them."""
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    rng = random.Random(7)
+    p = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    host, fwd = [], []
+    for i in range(n):
+        e.add_request(f"prefill-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], p)
+        acc[0] = 0.0
+        t0 = time.perf_counter()
+        e.step()
+        dt = time.perf_counter() - t0
+        while e.has_work():
+            e.step()
+        host.append((dt - acc[0]) * 1e6)
+        fwd.append(acc[0] * 1e6)
+    return {"host_us": statistics.median(host), "forward_us": statistics.median(fwd)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny-dummy")
@@ -125,6 +147,10 @@ def main() -> None:
             v = [r[k] for r in runs]
             row[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         rows.append(row)
+    prefill_one(e, 20, acc)  # warm
+    pre = [prefill_one(e, 100, acc) for _ in range(a.repeats)]
+    prefill = {k: {"median": statistics.median(r[k] for r in pre), "min": min(r[k] for r in pre),
+                   "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us")}
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
         head += f" {'events us/step':>18}"
@@ -138,6 +164,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['mean_rows']['median']:>9.1f} {f(r['host_us']):>22} {f(r['host_us_per_row'], 1):>18} "
               f"{f(r['forward_us']):>22} {f(r['message_us']):>18}" + (f" {f(r['events_us']):>18}" if pump is not None else ""))
+    print(f"prefill of one 60-token arrival at an idle engine (median of 100, then median (min-max) over the repeats): "
+          f"host {f(prefill['host_us'])} us, forward {f(prefill['forward_us'])} us")
     if a.output:
         import mleagle
 
@@ -146,7 +174,7 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "rows": rows}
+               "events": a.events, "rows": rows, "prefill_one": {"runs": pre, **prefill}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 

@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
 from mleagle.engine.memory.kv_pool import KVPool
@@ -218,36 +219,45 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     bs = len(extend_lens)
     if mode.uniform and any(e != width for e in extend_lens):
         raise ValueError(f"{mode.value} needs exactly {width} rows per request, got {extend_lens}")
-    pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]) if bs else torch.zeros(0, dtype=torch.int64)
-    rpi = torch.tensor(req_pool_indices, dtype=torch.int64)
-    row_req = torch.repeat_interleave(rpi, torch.tensor(extend_lens))
-    ends = torch.tensor(extend_lens).cumsum(0) - 1 if bs else torch.zeros(0, dtype=torch.int64)
+    # The host side in numpy (a prefill step builds it for every request it carries, and each small torch
+    # op costs a few microseconds where numpy's costs one): positions p..p+e-1 per request, each row's
+    # request slot, the requests' last rows.
+    el = np.asarray(extend_lens, dtype=np.int64)
+    pl = np.asarray(prefix_lens, dtype=np.int64)
+    n_tok = int(el.sum())
+    ends = np.cumsum(el) - 1
+    pos = np.arange(n_tok, dtype=np.int64) + np.repeat(pl - (ends + 1 - el), el)
+    rpi = np.asarray(req_pool_indices, dtype=np.int64)
+    row_req = np.repeat(rpi, el)
     if pruned_rows is not None:
-        rows = torch.tensor(pruned_rows, dtype=torch.int64)
+        rows = np.asarray(pruned_rows, dtype=np.int64)
     elif mode is ForwardMode.EXTEND and not all_logit_rows:
         rows = ends
     elif mode is ForwardMode.DECODE:
-        rows = torch.arange(bs)
+        rows = np.arange(bs, dtype=np.int64)
     else:
-        rows = torch.arange(int(sum(extend_lens)))
-    n = num_logit_rows(mode, bs, width, all_rows=all_logit_rows, num_tokens=int(sum(extend_lens)),
-                       pruned=pruned_rows is not None)
-    if rows.numel() != n:
-        raise AssertionError(f"logit rows {rows.numel()} != num_logit_rows {n} for {mode.value}")
-    seq = torch.tensor([p + e for p, e in zip(prefix_lens, extend_lens)], dtype=torch.int64)
-    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
+        rows = np.arange(n_tok, dtype=np.int64)
+    n = num_logit_rows(mode, bs, width, all_rows=all_logit_rows, num_tokens=n_tok, pruned=pruned_rows is not None)
+    if rows.size != n:
+        raise AssertionError(f"logit rows {rows.size} != num_logit_rows {n} for {mode.value}")
+    seq = pl + el
     # Everything the host built goes to the device in one non-blocking copy, split there into views:
     # a copy per tensor costs a launch each, and a prefill's first token waits for all of them. (Indexing
     # a CUDA tensor with CPU indices would copy them synchronously, waiting for the iteration in flight.)
-    pack_ids = ids.device.type == "cpu"  # ids already on the device (a draft's) are not copied back and forth
-    host = [pos, row_req, rpi, seq, rows.to(torch.int64), *([ids.to(torch.int64)] if pack_ids else [])]
-    pos_d, row_req_d, rpi_d, seq_d, rows_d, *rest = torch.cat(host).to(device, non_blocking=True).split(
-        [t.numel() for t in host])
-    ids_d = rest[0] if pack_ids else ids.to(device, non_blocking=True)
+    # Input ids already on the device (a draft's) are not copied back and forth.
+    on_host = not isinstance(input_ids, torch.Tensor) or input_ids.device.type == "cpu"
+    host = [pos, row_req, rpi, seq, rows]
+    if on_host:
+        host.append(input_ids.to(torch.int64).numpy() if isinstance(input_ids, torch.Tensor)
+                    else np.asarray(input_ids, dtype=np.int64))
+    pos_d, row_req_d, rpi_d, seq_d, rows_d, *rest = torch.from_numpy(np.concatenate(host)).to(
+        device, non_blocking=True).split([t.size for t in host])
+    ids_d = rest[0] if on_host else input_ids.to(device, non_blocking=True)  # type: ignore[union-attr]
     if req_to_token.device == pos_d.device:
         loc = req_to_token[row_req_d, pos_d]
     else:
-        loc = req_to_token[row_req.to(req_to_token.device), pos.to(req_to_token.device)].to(device)
+        loc = req_to_token[torch.from_numpy(row_req).to(req_to_token.device),
+                           torch.from_numpy(pos).to(req_to_token.device)].to(device)
     return ForwardBatch(
         mode=mode, input_ids=ids_d, positions=pos_d, out_cache_loc=loc,
         req_pool_indices=rpi_d, seq_lens=seq_d,

@@ -143,10 +143,10 @@ class SlotState:
             self.draft_q = torch.zeros(self.pad_row + 1, self.steps, v, dtype=torch.float32, device=self.device)
 
     def set_kv_len(self, reqs: Sequence[Req]) -> None:
-        if reqs:
-            idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-            self.kv_len.index_copy_(0, idx.to(self.device, non_blocking=True),
-                                   torch.tensor([r.kv_len for r in reqs]).to(self.device, non_blocking=True))
+        if reqs:  # the rows and their lengths in one copy
+            idx, kv = torch.tensor([[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]],
+                                   dtype=torch.int64).to(self.device, non_blocking=True)
+            self.kv_len.index_copy_(0, idx, kv)
 
     # --- per batch -----------------------------------------------------------------------------
     def flags(self, rows: Sequence[int], reqs: Sequence[Req] | None = None) -> RowFlags:

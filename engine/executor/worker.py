@@ -433,8 +433,9 @@ class TargetWorker:
         first = [i for i in done if not reqs[i].output_ids]
         if first:
             fr = [reqs[i] for i in first]
-            rpi = torch.tensor([r.req_pool_idx for r in fr], dtype=torch.int64).to(self.device, non_blocking=True)
-            rows_t = torch.tensor([last_rows[i] for i in first], dtype=torch.int64).to(self.device, non_blocking=True)
+            # The rows' slots and logit rows in one copy (a first token waits for every copy before it).
+            rpi, rows_t = torch.tensor([[r.req_pool_idx for r in fr], [last_rows[i] for i in first]],
+                                       dtype=torch.int64).to(self.device, non_blocking=True)
             x_raw = logits.index_select(0, rows_t)
             flags = self.state.flags([r.req_pool_idx for r in fr], fr)  # type: ignore[misc]
             flags = self.constrain.begin(fr, flags)  # constrain: which rows have a grammar

@@ -148,8 +148,11 @@ class MemoryManager:
         if not pages:
             return
         slots = torch.from_numpy(page_slots(pages, self.page_size))
-        for m in self.maps:
-            m.req_to_token[req.req_pool_idx, start : start + len(slots)] = slots.to(m.req_to_token.device, non_blocking=True)
+        there = slots
+        for m in self.maps:  # every runner's map (the target's, each draft layer's) from one host copy
+            if there.device != m.req_to_token.device:
+                there = slots.to(m.req_to_token.device, non_blocking=True)
+            m.req_to_token[req.req_pool_idx, start : start + len(slots)] = there
 
     def release(self, req: HoldsKV, keep: list[int] | None = None) -> None:
         """Give back everything `req` holds. `keep` are the leading tokens whose KV is valid in every
