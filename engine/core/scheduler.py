@@ -403,9 +403,10 @@ class Scheduler:
             return TokenOutput(req.rid, new, len(req.prompt_ids), req.emitted, req.num_cached_tokens)
         # The validating constructor, not `model_construct`: pydantic's validator is compiled, its
         # `model_construct` is Python (2.1 against 3.8 us, pydantic 2.14 on the dev VM).
+        spec = req.spec.stats() if req.finished and req.spec is not None else None
         return RequestOutput(
             rid=req.rid, token_ids=new, logprobs=lps, prompt_logprobs=plps,
             finished=req.finished, finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             error=req.error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached_tokens, spec=req.spec.stats() if req.finished and req.spec is not None else None, timing=timing,
+            num_cached_tokens=req.num_cached_tokens, spec=spec, timing=timing,
         )
