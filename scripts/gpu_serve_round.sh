@@ -12,8 +12,9 @@
 #      merged deltas;
 #   3. OUT/daemon_alone.{json,log}: `scripts/daemon_alone.py --spin` at a step every 2 and 1 ms, 32 and
 #      64 streams: the daemon's own ceiling on this host, beside what the engine makes there;
-#   4. OUT/engine_host_step.{json,log}: `scripts/engine_host_step.py`, the engine's host time per decode
-#      step beside the model (the tiny model on this host's CPU), to set against the dev VM's figures.
+#   4. OUT/engine_host_step{,_spec}.{json,log}: `scripts/engine_host_step.py --events`, target-only and
+#      with three random draft layers: the engine's host time per decode step beside the model (the tiny
+#      model on this host's CPU), to set against the dev VM's figures.
 #
 # Prompts from $MLEAGLE_DATA_DIR (MT-Bench). PYTHON picks the interpreter (default python3).
 set -euo pipefail
@@ -53,5 +54,7 @@ if ! skip alone; then
 fi
 if ! skip host; then
   echo "[round] the engine's host time per decode step"
-  "$PY" scripts/engine_host_step.py --output "$OUT/engine_host_step.json" 2>&1 | tee "$OUT/engine_host_step.log" | tail -n 4
+  "$PY" scripts/engine_host_step.py --events --output "$OUT/engine_host_step.json" 2>&1 | tee "$OUT/engine_host_step.log" | tail -n 4
+  "$PY" scripts/engine_host_step.py --events --draft random:3 --repeats 3 --output "$OUT/engine_host_step_spec.json" \
+    2>&1 | tee "$OUT/engine_host_step_spec.log" | tail -n 4
 fi
