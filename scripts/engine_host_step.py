@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--spec-policy", default="always", help="with a draft: always (depth S every step), auto, ...")
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefills", type=int, default=100, help="lone arrivals timed per repeat")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
     ap.add_argument("--events", action="store_true",
                     help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
@@ -148,7 +149,7 @@ def main() -> None:
             row[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         rows.append(row)
     prefill_one(e, 20, acc)  # warm
-    pre = [prefill_one(e, 100, acc) for _ in range(a.repeats)]
+    pre = [prefill_one(e, a.prefills, acc) for _ in range(a.repeats)]
     prefill = {k: {"median": statistics.median(r[k] for r in pre), "min": min(r[k] for r in pre),
                    "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us")}
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
@@ -164,7 +165,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['mean_rows']['median']:>9.1f} {f(r['host_us']):>22} {f(r['host_us_per_row'], 1):>18} "
               f"{f(r['forward_us']):>22} {f(r['message_us']):>18}" + (f" {f(r['events_us']):>18}" if pump is not None else ""))
-    print(f"prefill of one 60-token arrival at an idle engine (median of 100, then median (min-max) over the repeats): "
+    print(f"prefill of one 60-token arrival at an idle engine (median of {a.prefills}, then median (min-max) over the repeats): "
           f"host {f(prefill['host_us'])} us, forward {f(prefill['forward_us'])} us")
     if a.output:
         import mleagle

@@ -1,0 +1,31 @@
+"""scripts/engine_host_step.py end to end on the CPU: a decode step's host time beside the forward, the
+step's message and state events apart, and a lone arrival's prefill, each a positive figure per repeat
+(the script wraps `ModelRunner.forward` and `Engine.step`; a rename there must not leave it measuring
+nothing)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_host_step.py"), "--batch-sizes", "4",
+                        "--repeats", "2", "--prefills", "5", "--events", "--output", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert row["batch"] == 4 and len(row["runs"]) == 2 and res["events"] is True
+    for run in row["runs"]:
+        # Every request decodes 64-256 tokens: as many decode steps, each with a forward and host work.
+        assert 63 <= run["decode_steps"] <= 256 and 0 < run["mean_rows"] <= 4
+        assert run["forward_us"] > 0 and run["host_us"] > 0 and run["message_us"] > 0 and run["events_us"] > 0
+    pre = res["prefill_one"]
+    assert len(pre["runs"]) == 2 and pre["host_us"]["median"] > 0 and pre["forward_us"]["median"] > 0
+    assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout
