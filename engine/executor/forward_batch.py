@@ -251,7 +251,7 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
         host.append(input_ids.to(torch.int64).numpy() if isinstance(input_ids, torch.Tensor)
                     else np.asarray(input_ids, dtype=np.int64))
     pos_d, row_req_d, rpi_d, seq_d, rows_d, *rest = torch.from_numpy(np.concatenate(host)).to(
-        device, non_blocking=True).split([t.size for t in host])
+        device, non_blocking=True).split_with_sizes([t.size for t in host])
     ids_d = rest[0] if on_host else input_ids.to(device, non_blocking=True)  # type: ignore[union-attr]
     if req_to_token.device == pos_d.device:
         loc = req_to_token[row_req_d, pos_d]
