@@ -243,13 +243,16 @@ class EngineLoop:
                 self.spins += 1
                 os.sched_yield()
                 continue
-            if not busy and self.telemetry is not None:
-                self.telemetry.idle()  # status events (rates, uptime) stay current while idle
+            stepped = self.engine.has_work()
+            # Status events (rates, uptime, the last step's if it was sampled out) stay current while
+            # idle, but not in front of an arrival: it was the first thing a request met at an idle
+            # engine (the last step's events, a few hundred microseconds of its TTFT's `queue` phase).
+            if not stepped and self.telemetry is not None:
+                self.telemetry.idle()
             if not busy and os.getppid() != self.ppid:
                 log.warning("daemon gone; engine exiting")
                 _ORPHANED[0] = True
                 return 0
-            stepped = self.engine.has_work()
             if stepped:
                 code = self.step()
                 if code is not None:
