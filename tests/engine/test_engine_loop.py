@@ -1,7 +1,8 @@
 """The engine process's loop (`EngineLoop`) in this process, over a real engine channel (a Unix socket)
 and a real CPU engine (tiny-dummy): after its last step it polls without sleeping for its spin window,
 takes a request that arrives inside that window, and then blocks again (its spin count stops growing);
-when the daemon's end of the channel closes, the loop ends."""
+an arrival is stepped before the idle telemetry runs; when the daemon's end of the channel closes, the
+loop ends."""
 
 from __future__ import annotations
 
@@ -81,6 +82,46 @@ def test_the_loop_spins_after_work_then_blocks(tmp_path: Path) -> None:
         daemon.send(encode(Shutdown()))
         th.join(30)
         chan.close()
+    assert done == [0]
+
+
+def test_an_arrival_is_stepped_before_the_idle_telemetry(tmp_path: Path) -> None:
+    """While the loop spins after a request, the last step's sampled-out state events wait; the next
+    arrival goes to the engine's step at once, and the idle telemetry runs only once nothing is left."""
+    from mleagle.engine.contract.event_bus import ZmqEventPublisher
+    from mleagle.engine.service.process import EventPump
+
+    engine = build_engine(load_config("tiny-dummy"))
+    daemon = _Daemon(tmp_path / "chan.sock")
+    chan = EngineChannel(str(tmp_path / "chan.sock"))
+    daemon.accept()
+    pump = EventPump(ZmqEventPublisher(f"ipc://{tmp_path}/events"))
+    pump.attach(engine)  # sampled, as serve starts it: a step left out waits for the idle telemetry
+    loop = EngineLoop(engine, chan, pump, spin_s=5.0)
+    seen: list[str] = []
+    assert loop.telemetry is not None
+    idle, step, handle = loop.telemetry.idle, loop.step, loop.handle
+    loop.telemetry.idle = lambda: (seen.append("idle"), idle())[1]  # type: ignore[method-assign]
+    loop.step = lambda: (seen.append("step"), step())[1]  # type: ignore[method-assign]
+    loop.handle = lambda data: (seen.append("message"), handle(data))[1]  # type: ignore[method-assign]
+    done: list[int] = []
+    th = threading.Thread(target=lambda: done.append(loop.run()), daemon=True)
+    th.start()
+    try:
+        for rid in ("a", "b"):
+            sp = SamplingParams(temperature=0, max_new_tokens=3)
+            daemon.send(encode(AddRequest(rid=rid, prompt_ids=[1, 2, 3], params=sp)))
+            while not any(isinstance(m, Outputs) and any(o.finished for o in m.outputs)
+                          for m in [decode_engine_msg(daemon.recv())]):
+                pass
+            time.sleep(0.05)  # the loop spins: no idle telemetry meanwhile
+        arrivals = [i for i, x in enumerate(seen) if x == "message"]
+        assert len(arrivals) == 2 and all(seen[i + 1] == "step" for i in arrivals), seen
+    finally:
+        daemon.send(encode(Shutdown()))
+        th.join(30)
+        chan.close()
+        pump.close()
     assert done == [0]
 
 
