@@ -41,9 +41,8 @@ class SpecCounts:
         self.accepted_per_depth = [0] * steps
 
     def stats(self) -> SpecStats:
-        return SpecStats(num_verify=self.num_verify, num_draft_tokens=self.num_draft_tokens,
-                         num_accepted_tokens=self.num_accepted_tokens, accepted_per_depth=list(self.accepted_per_depth),
-                         draft_time_s=self.draft_time_s, verify_time_s=self.verify_time_s)
+        """The counts as `SpecStats` (the slots are its fields, by name; the list copied)."""
+        return SpecStats(**{k: list(v) if isinstance(v := getattr(self, k), list) else v for k in self.__slots__})
 
 
 @dataclass(eq=False)

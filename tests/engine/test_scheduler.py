@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import itertools
 
-from mleagle.engine.contract.outputs import RequestOutput, StepOutput, TokenOutput
+from mleagle.engine.contract.outputs import RequestOutput, SpecStats, StepOutput, TokenOutput
 from mleagle.engine.contract.protocol import Outputs, decode_engine_msg, encode
+from mleagle.engine.core.request import SpecCounts
 from mleagle.engine.core.scheduler import StepReport
 from tests.spec_helpers import all_free, greedy, run, tiny_engine
 
@@ -94,6 +95,9 @@ def test_a_delta_that_is_new_tokens_only_is_a_token_output() -> None:
     plain = got["plain"]
     assert isinstance(plain[0], RequestOutput) and plain[0].timing is not None
     assert isinstance(plain[-1], RequestOutput) and plain[-1].finished and plain[-1].spec is not None
+    # its speculation counts, kept in plain slots while it ran, reach its last delta whole
+    assert set(SpecCounts.__slots__) == set(SpecStats.model_fields)
+    assert plain[-1].spec.num_verify == len(plain) - 1 and plain[-1].spec.num_draft_tokens == 2 * plain[-1].spec.num_verify
     middle = plain[1:-1]
     assert middle and all(isinstance(o, TokenOutput) and not o.finished and o.logprobs is None for o in middle)
     assert [o.num_output_tokens for o in plain] == list(itertools.accumulate(len(o.token_ids) for o in plain))
