@@ -58,6 +58,8 @@ DEFAULT_ARMS = ["target=--draft none", "auto=", "always=--spec-policy always"]
 # (report key, path into a `bench serve` result, column title)
 METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("out_tok_s", ("output_throughput",), "out tok/s"),
+    # The same until the last request was sent (`bench_serve.loaded`): the run without its drain.
+    ("loaded_tok_s", ("loaded", "output_throughput"), "tok/s until last send"),
     ("req_s", ("request_throughput",), "req/s"),
     ("ttft_p50_ms", ("ttft_ms", "p50"), "TTFT p50 ms"),
     ("ttft_p90_ms", ("ttft_ms", "p90"), "TTFT p90 ms"),
@@ -82,6 +84,7 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
 ]
 # The same from the offline replay (engine alone): what the daemon adds to latency shows beside them.
 OFFLINE_METRICS: list[tuple[str, tuple[str, ...], str]] = [
+    ("offline_loaded_tok_s", ("loaded", "output_throughput"), "offline tok/s until last send"),
     ("offline_ttft_p90_ms", ("ttft_ms", "p90"), "offline TTFT p90 ms"),
     ("offline_ttft_steady_p90_ms", ("ttft_steady_ms", "p90"), "offline TTFT p90 after wave ms"),
     ("offline_itl_p99_ms", ("itl_ms", "p99"), "offline ITL p99 ms"),

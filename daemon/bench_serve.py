@@ -468,7 +468,38 @@ def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[st
         "itl_ms": pct([x for r in ok for x in r.itl]),
         "e2e_ms": pct([r.e2e for r in ok]),
         "tpot_ms": pct([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "loaded": loaded(ok, first_wave),
     }
+
+
+def loaded(ok: list[Result], conc: int) -> dict[str, float] | None:
+    """Output tokens a second while a closed loop of `conc` had its load: from its first request sent
+    to its last. After the last send a run only drains (requests end and none take their place): with
+    4·c requests the last wave is a quarter of them, and its drain a tenth or more of the run's time,
+    which a static batch of c equal requests (`Engine.generate`, `bench gpu`) never has. A request's
+    tokens count at their chunks' arrival (each chunk taken as the request's tokens per chunk);
+    `inflight` is the mean number of requests in flight over the window (c, less the client's turnaround
+    between one request's end and the next one's send), which says the window was loaded. None for an
+    open-loop or single-wave run, or records without send times."""
+    ok = [r for r in ok if r.t_send and r.t_first]
+    if conc < 1 or len(ok) <= conc:
+        return None
+    a, b = min(r.t_send for r in ok), max(r.t_send for r in ok)
+    if b <= a:
+        return None
+    tokens = busy = 0.0
+    for r in ok:
+        n, t = 0, r.t_first
+        if t <= b:
+            n = 1
+            for x in r.itl:
+                t += x
+                if t > b:
+                    break
+                n += 1
+        tokens += n * r.output_tokens / max(1, r.chunks)
+        busy += max(0.0, min(r.t_send + r.e2e, b) - max(r.t_send, a))
+    return {"output_throughput": tokens / (b - a), "seconds": b - a, "inflight": busy / (b - a)}
 
 
 def table(res: dict[str, Any]) -> str:
@@ -482,6 +513,8 @@ def table(res: dict[str, Any]) -> str:
         f"{'duration (s)':<28}{res['duration_s']:.2f}",
         f"{'requests/s':<28}{res['request_throughput']:.3f}",
         f"{'output tokens/s':<28}{res['output_throughput']:.2f}",
+        *([f"{'  until the last send':<28}{ld['output_throughput']:.2f} ({ld['seconds']:.2f} s, {ld['inflight']:.1f} in flight)"]
+          if (ld := res.get("loaded")) else []),
         f"{'total tokens/s':<28}{res['total_token_throughput']:.2f}",
         f"{'tokens per chunk':<28}{res['mean_tokens_per_chunk']:.2f}",
         f"{'client CPU (busiest proc)':<28}{100 * (res.get('client_cpu_share') or 0):.0f} % of one core"

@@ -45,6 +45,7 @@ def closed_loop(engine: Any, prompts: Sequence[list[int]], params: SamplingParam
         while nxt < n and len(live) < conc:
             rid = f"{tag}-{nxt}"
             t_add[nxt] = time.perf_counter()
+            recs[nxt]["t_send"] = time.monotonic()
             try:
                 engine.add_request(rid, prompts[nxt], params)
                 live[rid] = nxt
@@ -63,6 +64,7 @@ def closed_loop(engine: Any, prompts: Sequence[list[int]], params: SamplingParam
                 prev = last[i]
                 if prev is None:
                     r["ttft"] = now - t_add[i]
+                    r["t_first"] = time.monotonic()
                 else:
                     r["itl"].append(now - prev)
                 last[i] = now

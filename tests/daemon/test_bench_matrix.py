@@ -184,6 +184,31 @@ def test_the_first_wave_of_a_closed_loop_is_left_out_of_the_steady_ttft() -> Non
     assert summarize(rs, 1.0)["ttft_steady_ms"] == s["ttft_ms"]  # no wave: the same as every request
 
 
+def test_throughput_until_the_last_send_leaves_out_the_drain() -> None:
+    """`loaded`: a closed loop of 2 over 4 requests; the window runs from the first send (t=10) to the
+    last (t=12), so only the chunks that arrived by then count (a chunk carrying the request's mean
+    tokens per chunk), and the mean in flight is the requests' overlap with the window over its length."""
+    from mleagle.daemon.bench_serve import Result, summarize
+
+    def req(t_send: float, first: float, gaps: list[float], tokens: int) -> Result:
+        e2e = first - t_send + sum(gaps)
+        return Result(ok=True, t_send=t_send, t_first=first, ttft=first - t_send, itl=gaps, e2e=e2e,
+                      output_tokens=tokens, chunks=1 + len(gaps))
+
+    rs = [req(10.0, 10.1, [0.5, 0.5], 3),        # 10.1, 10.6, 11.1: all in; ends 11.1
+          req(10.0, 10.2, [0.5, 0.5, 0.5], 8),   # 10.2 .. 11.7: 4 chunks of 2 tokens; ends 11.7
+          req(11.1, 11.5, [0.4, 0.4], 3),        # 11.5, 11.9 in, 12.3 out
+          req(12.0, 12.1, [0.1], 2)]             # sent last, at the window's end: nothing in it
+    ld = summarize(rs, 2.2, first_wave=2)["loaded"]
+    assert ld["seconds"] == pytest.approx(2.0)
+    assert ld["output_throughput"] == pytest.approx((3 + 8 + 2) / 2.0)
+    # in flight: 1.1 + 1.7 + 0.9 + 0 seconds over 2 s
+    assert ld["inflight"] == pytest.approx(3.7 / 2.0)
+    assert summarize(rs, 2.2, first_wave=4)["loaded"] is None  # one wave: no window
+    assert summarize(rs, 2.2)["loaded"] is None  # an open loop
+    assert summarize([Result(ok=True, ttft=0.1, e2e=0.2, output_tokens=2)] * 3, 1.0, 1)["loaded"] is None  # no send times
+
+
 def test_the_ttft_split_summary_names_what_the_slowest_tenth_spent() -> None:
     """`phase_summary` over a run's records: per phase mean, p50 and p90, and the mean over the slowest
     tenth by total, which is where a tail's phase shows (here: `queue`)."""
@@ -291,6 +316,11 @@ def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
         assert g["frozen"] > 10_000 and len(g["collections"]) == 3 and sum(g["collections"]) > 0, g
         assert "daemon GC" in r.stdout
         assert "2 client processes" in r.stdout
+        # Throughput until the last request was sent: a window inside the run, with at most the
+        # concurrency in flight over it.
+        ld = res["loaded"]
+        assert 0 < ld["seconds"] < res["duration_s"] and 0 < ld["inflight"] <= 3 and ld["output_throughput"] > 0, ld
+        assert "until the last send" in r.stdout
         bad = subprocess.run([sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", srv.url, "--rate", "2",
                               "--client-procs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "--client-procs" in bad.stderr
