@@ -13,7 +13,12 @@ timed apart, and with `--events` the state events the engine process attaches (i
 and the pump that publishes them, sampled as `mleagle serve` starts them, no subscriber) are taken
 out of the host figure and timed apart too. Then 100 arrivals of 60 tokens at an idle engine, one at
 a time: the host time of each one's prefill step beside its forward (a served first token's engine
-part). Prints a table (median and range over the repeats) and writes JSON.
+part), and that step in its parts (`PREFILL_PARTS`: scheduling with the KV pages, the slot-state
+rows, the batch, the forward, the first token's sampling, the wait for its copy, the rest). Prints a
+table (median and range over the repeats) and writes JSON. `--device cuda` runs the same on a GPU
+(with its CUDA graphs): there a forward is a graph launch and the rest of a step includes waiting for
+the device, so the decode split reads differently, but the lone arrival's parts are what a first
+token's `prefill` phase is made of on that machine.
 """
 
 from __future__ import annotations
@@ -75,25 +80,73 @@ def one(e: Any, bs: int, seed: int, acc: list[float], pump: Any = None) -> dict[
             "host_us_per_row": host[0] / max(rows[0], 1) * 1e6}
 
 
-def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, float]:
+# The parts of a lone arrival's prefill step, in the order it runs them: (name, class path, method).
+# `schedule` holds `kv pages`; `forward` is the model runner's (on a GPU the launch of its graph);
+# `first token` is its sampling and the copy back started; `settle` waits for that copy (on a GPU, for
+# the device); `rest` is the step less the top-level parts (scheduling bookkeeping, the deltas).
+PREFILL_PARTS = [
+    ("schedule", "mleagle.engine.core.scheduler:Scheduler", "_schedule_prefill"),
+    ("kv pages", "mleagle.engine.memory.manager:MemoryManager", "ensure"),
+    ("admit", "mleagle.engine.executor.worker:TargetWorker", "admit"),
+    ("build batch", "mleagle.engine.executor.worker:TargetWorker", "prefill_batch"),
+    ("first token", "mleagle.engine.executor.worker:TargetWorker", "finish_prefill"),
+    ("settle", "mleagle.engine.executor.worker:TargetWorker", "settle_prefill"),
+]
+TOP_PARTS = ("schedule", "admit", "build batch", "first token", "settle")  # besides the forward
+
+
+def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
     """`n` arrivals at an idle engine, one at a time (a request of 60 tokens that ends at its first
-    token): each one's prefill step, host and forward, as a served request's first token pays them."""
+    token): each one's prefill step, host and forward, as a served request's first token pays them,
+    and the step's parts (`PREFILL_PARTS`, each method wrapped while this runs), medians in us."""
+    import importlib
+
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     rng = random.Random(7)
     p = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    host, fwd = [], []
-    for i in range(n):
-        e.add_request(f"prefill-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], p)
-        acc[0] = 0.0
-        t0 = time.perf_counter()
-        e.step()
-        dt = time.perf_counter() - t0
-        while e.has_work():
+    spent: dict[str, float] = {}
+    undo = []
+    for name, where, meth in PREFILL_PARTS:
+        mod, cls = where.split(":")
+        klass = getattr(importlib.import_module(mod), cls)
+        f = klass.__dict__[meth]
+
+        def timed(*args: Any, _f: Any = f, _name: str = name, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kw)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(klass, meth, timed)
+        undo.append((klass, meth, f))
+    host, fwd, step = [], [], []
+    parts: dict[str, list[float]] = {name: [] for name, _, _ in PREFILL_PARTS}
+    parts["rest"] = []
+    try:
+        for i in range(n):
+            e.add_request(f"prefill-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], p)
+            acc[0] = 0.0
+            spent.clear()
+            t0 = time.perf_counter()
             e.step()
-        host.append((dt - acc[0]) * 1e6)
-        fwd.append(acc[0] * 1e6)
-    return {"host_us": statistics.median(host), "forward_us": statistics.median(fwd)}
+            dt = time.perf_counter() - t0
+            got = dict(spent)
+            while e.has_work():
+                e.step()
+            host.append((dt - acc[0]) * 1e6)
+            fwd.append(acc[0] * 1e6)
+            step.append(dt * 1e6)
+            for k in parts:
+                if k != "rest":
+                    parts[k].append(got.get(k, 0.0) * 1e6)
+            parts["rest"].append((dt - acc[0] - sum(got.get(k, 0.0) for k in TOP_PARTS)) * 1e6)
+    finally:
+        for klass, meth, f in undo:
+            setattr(klass, meth, f)
+    return {"host_us": statistics.median(host), "forward_us": statistics.median(fwd), "step_us": statistics.median(step),
+            "parts_us": {k: statistics.median(v) for k, v in parts.items()}}
 
 
 def main() -> None:
@@ -105,6 +158,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefills", type=int, default=100, help="lone arrivals timed per repeat")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default), or cuda: there the forward is a graph launch and the rest includes waiting "
+                         "for the device, so the decode split reads differently; the lone arrival's parts say what "
+                         "a first token's engine phase is made of")
     ap.add_argument("--events", action="store_true",
                     help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
     ap.add_argument("--output", default=None)
@@ -117,7 +174,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     bss = [int(x) for x in a.batch_sizes.split(",")]
     over: dict[str, Any] = {"spec_policy": a.spec_policy} if a.draft != "none" else {}
-    e = Engine(a.config, device="cpu", draft=a.draft, max_running_requests=max(bss), max_total_tokens=max(bss) * 400 + 1024,
+    e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss), max_total_tokens=max(bss) * 400 + 1024,
                **over)
     acc = [0.0]
     forward = R.ModelRunner.forward
@@ -151,7 +208,8 @@ def main() -> None:
     prefill_one(e, 20, acc)  # warm
     pre = [prefill_one(e, a.prefills, acc) for _ in range(a.repeats)]
     prefill = {k: {"median": statistics.median(r[k] for r in pre), "min": min(r[k] for r in pre),
-                   "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us")}
+                   "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us", "step_us")}
+    prefill["parts_us"] = {k: statistics.median(r["parts_us"][k] for r in pre) for k in pre[0]["parts_us"]}
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
         head += f" {'events us/step':>18}"
@@ -166,7 +224,9 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['mean_rows']['median']:>9.1f} {f(r['host_us']):>22} {f(r['host_us_per_row'], 1):>18} "
               f"{f(r['forward_us']):>22} {f(r['message_us']):>18}" + (f" {f(r['events_us']):>18}" if pump is not None else ""))
     print(f"prefill of one 60-token arrival at an idle engine (median of {a.prefills}, then median (min-max) over the repeats): "
-          f"host {f(prefill['host_us'])} us, forward {f(prefill['forward_us'])} us")
+          f"host {f(prefill['host_us'])} us, forward {f(prefill['forward_us'])} us, step {f(prefill['step_us'])} us")
+    print("  its parts (us, median of the repeats' medians): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in prefill["parts_us"].items()))
     if a.output:
         import mleagle
 
@@ -174,7 +234,7 @@ def main() -> None:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
-               "config": a.config, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
+               "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
                "events": a.events, "rows": rows, "prefill_one": {"runs": pre, **prefill}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")

@@ -2,7 +2,8 @@
 # On the GPU machine: one round of the serving figures (issues of speculation policy and serving
 # speed), each step's output in OUT, in the order a short session wants them:
 #
-#   scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone,host]
+#   scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--requests-per-concurrency N]
+#                              [--skip tests,matrix,alone,host]
 #
 #   1. OUT/gpu_tests.log: the GPU tests of graphs, kernels, the engine loop and the policy;
 #   2. OUT/serve_matrix.{json,md,log}: `bench serve-matrix` with arms target (`--draft none`), auto (the
@@ -14,20 +15,27 @@
 #      64 streams: the daemon's own ceiling on this host, beside what the engine makes there;
 #   4. OUT/engine_host_step{,_spec}.{json,log}: `scripts/engine_host_step.py --events`, target-only and
 #      with three random draft layers: the engine's host time per decode step beside the model (the tiny
-#      model on this host's CPU), to set against the dev VM's figures.
+#      model on this host's CPU), to set against the dev VM's figures; then OUT/engine_host_step_gpu.*:
+#      the same script with `--device cuda` and SmolLM2, for what a lone arrival's prefill step (a first
+#      token's `prefill` phase) is made of on this GPU, part by part.
+#
+# `--requests-per-concurrency N` (default 4) sets each run's requests to N x concurrency: issue 27's c32
+# figures use 16, so that a run's drain (its last wave) is a small part of it.
 #
 # Prompts from $MLEAGLE_DATA_DIR (MT-Bench). PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:?usage: scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--skip tests,matrix,alone,host]}"
+OUT="${1:?usage: scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--requests-per-concurrency N] [--skip tests,matrix,alone,host]}"
 shift
 REPEATS=3
+RPC=4
 CONC="1,8,32,64"
 SKIP=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --repeats) REPEATS="$2"; shift 2 ;;
     --concurrency) CONC="$2"; shift 2 ;;
+    --requests-per-concurrency) RPC="$2"; shift 2 ;;
     --skip) SKIP="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -45,6 +53,7 @@ if ! skip matrix; then
   echo "[round] serve matrix: c$CONC, $REPEATS repeats"
   "$PY" -m mleagle.cli bench serve-matrix --config smollm2-135m --arm "target=--draft none" --arm "auto=" \
     --arm "always=--spec-policy always" --baseline target --concurrency "$CONC" --repeats "$REPEATS" \
+    --requests-per-concurrency "$RPC" \
     --output "$OUT/serve_matrix.json" --markdown "$OUT/serve_matrix.md" 2>&1 | tee "$OUT/serve_matrix.log" | tail -n 30
 fi
 if ! skip alone; then
@@ -57,4 +66,6 @@ if ! skip host; then
   "$PY" scripts/engine_host_step.py --events --output "$OUT/engine_host_step.json" 2>&1 | tee "$OUT/engine_host_step.log" | tail -n 4
   "$PY" scripts/engine_host_step.py --events --draft random:3 --repeats 3 --output "$OUT/engine_host_step_spec.json" \
     2>&1 | tee "$OUT/engine_host_step_spec.log" | tail -n 4
+  "$PY" scripts/engine_host_step.py --device cuda --config smollm2-135m --batch-sizes 32 --repeats 3 \
+    --output "$OUT/engine_host_step_gpu.json" 2>&1 | tee "$OUT/engine_host_step_gpu.log" | tail -n 4
 fi

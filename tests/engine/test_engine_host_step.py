@@ -1,7 +1,7 @@
 """scripts/engine_host_step.py end to end on the CPU: a decode step's host time beside the forward, the
 step's message and state events apart, and a lone arrival's prefill, each a positive figure per repeat
-(the script wraps `ModelRunner.forward` and `Engine.step`; a rename there must not leave it measuring
-nothing)."""
+(the script wraps `ModelRunner.forward`, `Engine.step` and the prefill step's parts; a rename there
+must not leave it measuring nothing)."""
 
 from __future__ import annotations
 
@@ -28,4 +28,12 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
         assert run["forward_us"] > 0 and run["host_us"] > 0 and run["message_us"] > 0 and run["events_us"] > 0
     pre = res["prefill_one"]
     assert len(pre["runs"]) == 2 and pre["host_us"]["median"] > 0 and pre["forward_us"]["median"] > 0
+    # The prefill step in its parts: each wrapped method was called (a rename must not leave a part at
+    # zero), and the top-level parts with the forward and the rest add up to the step.
+    parts = pre["runs"][0]["parts_us"]
+    assert all(v > 0 for k, v in parts.items() if k != "rest"), parts
+    top = sum(parts[k] for k in ("schedule", "admit", "build batch", "first token", "settle"))
+    assert parts["kv pages"] < parts["schedule"] < pre["runs"][0]["host_us"]
+    assert abs(top + parts["rest"] + pre["runs"][0]["forward_us"] - pre["runs"][0]["step_us"]) < 0.2 * pre["runs"][0]["step_us"]
+    assert "its parts (us" in r.stdout
     assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout
