@@ -37,3 +37,20 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     assert abs(top + parts["rest"] + pre["runs"][0]["forward_us"] - pre["runs"][0]["step_us"]) < 0.2 * pre["runs"][0]["step_us"]
     assert "its parts (us" in r.stdout
     assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout
+
+
+def test_host_op_cost_times_each_operation_idle_and_busy() -> None:
+    """scripts/host_op_cost.py on a GPU: every operation timed with the device idle and busy, each a
+    positive median; without CUDA it says so and exits non-zero."""
+    import pytest
+    import torch
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_op_cost.py")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    if not torch.cuda.is_available():
+        assert r.returncode != 0 and "needs CUDA" in r.stderr
+        pytest.skip("needs CUDA for the figures")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stdout.splitlines() if "median" in ln]
+    assert len(lines) == 10 and sum("busy:" in ln for ln in lines) == 5
+    assert all(float(ln.split("median")[1].split()[0]) > 0 for ln in lines)
