@@ -452,7 +452,8 @@ def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[st
     over `dur` seconds (also used for `bench serve-matrix`'s offline replay, so both paths are measured
     by the same definitions). A closed loop sends its first `first_wave` requests (its concurrency) at
     once, a burst a steady load never has: with 4·c requests a run, that burst is a quarter of the TTFT
-    samples, so `ttft_steady_ms` gives the TTFT of the requests sent after it too."""
+    samples, so `ttft_steady_ms` gives the TTFT of the requests sent after it too, and `loaded` the
+    output rate without the run's closing drain."""
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
     in_tok = sum(r.prompt_tokens for r in ok)

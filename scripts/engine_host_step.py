@@ -80,19 +80,19 @@ def one(e: Any, bs: int, seed: int, acc: list[float], pump: Any = None) -> dict[
             "host_us_per_row": host[0] / max(rows[0], 1) * 1e6}
 
 
-# The parts of a lone arrival's prefill step, in the order it runs them: (name, class path, method).
-# `schedule` holds `kv pages`; `forward` is the model runner's (on a GPU the launch of its graph);
-# `first token` is its sampling and the copy back started; `settle` waits for that copy (on a GPU, for
-# the device); `rest` is the step less the top-level parts (scheduling bookkeeping, the deltas).
+# The parts of a lone arrival's prefill step, in the order it runs them: (name, class path, method,
+# whether it is top-level; `kv pages` is inside `schedule`). Beside them the forward is the model
+# runner's (on a GPU the launch of its graph); `first token` is its sampling and the copy back started;
+# `settle` waits for that copy (on a GPU, for the device); `rest` is the step less the forward and the
+# top-level parts (scheduling bookkeeping, the deltas).
 PREFILL_PARTS = [
-    ("schedule", "mleagle.engine.core.scheduler:Scheduler", "_schedule_prefill"),
-    ("kv pages", "mleagle.engine.memory.manager:MemoryManager", "ensure"),
-    ("admit", "mleagle.engine.executor.worker:TargetWorker", "admit"),
-    ("build batch", "mleagle.engine.executor.worker:TargetWorker", "prefill_batch"),
-    ("first token", "mleagle.engine.executor.worker:TargetWorker", "finish_prefill"),
-    ("settle", "mleagle.engine.executor.worker:TargetWorker", "settle_prefill"),
+    ("schedule", "mleagle.engine.core.scheduler:Scheduler", "_schedule_prefill", True),
+    ("kv pages", "mleagle.engine.memory.manager:MemoryManager", "ensure", False),
+    ("admit", "mleagle.engine.executor.worker:TargetWorker", "admit", True),
+    ("build batch", "mleagle.engine.executor.worker:TargetWorker", "prefill_batch", True),
+    ("first token", "mleagle.engine.executor.worker:TargetWorker", "finish_prefill", True),
+    ("settle", "mleagle.engine.executor.worker:TargetWorker", "settle_prefill", True),
 ]
-TOP_PARTS = ("schedule", "admit", "build batch", "first token", "settle")  # besides the forward
 
 
 def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
     p = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     spent: dict[str, float] = {}
     undo = []
-    for name, where, meth in PREFILL_PARTS:
+    for name, where, meth, _ in PREFILL_PARTS:
         mod, cls = where.split(":")
         klass = getattr(importlib.import_module(mod), cls)
         f = klass.__dict__[meth]
@@ -122,8 +122,7 @@ def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
         setattr(klass, meth, timed)
         undo.append((klass, meth, f))
     host, fwd, step = [], [], []
-    parts: dict[str, list[float]] = {name: [] for name, _, _ in PREFILL_PARTS}
-    parts["rest"] = []
+    parts: dict[str, list[float]] = {name: [] for name, *_ in PREFILL_PARTS} | {"rest": []}
     try:
         for i in range(n):
             e.add_request(f"prefill-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], p)
@@ -138,10 +137,10 @@ def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
             host.append((dt - acc[0]) * 1e6)
             fwd.append(acc[0] * 1e6)
             step.append(dt * 1e6)
-            for k in parts:
-                if k != "rest":
-                    parts[k].append(got.get(k, 0.0) * 1e6)
-            parts["rest"].append((dt - acc[0] - sum(got.get(k, 0.0) for k in TOP_PARTS)) * 1e6)
+            for name, *_ in PREFILL_PARTS:
+                parts[name].append(got.get(name, 0.0) * 1e6)
+            top = sum(got.get(name, 0.0) for name, _, _, is_top in PREFILL_PARTS if is_top)
+            parts["rest"].append((dt - acc[0] - top) * 1e6)
     finally:
         for klass, meth, f in undo:
             setattr(klass, meth, f)
@@ -158,7 +157,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefills", type=int, default=100, help="lone arrivals timed per repeat")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
-    ap.add_argument("--device", default="cpu",
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu (default), or cuda: there the forward is a graph launch and the rest includes waiting "
                          "for the device, so the decode split reads differently; the lone arrival's parts say what "
                          "a first token's engine phase is made of")
