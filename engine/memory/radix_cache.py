@@ -9,6 +9,12 @@ key is a whole number of pages; with page_size 1 a page is a slot). A node in us
 locked (`lock`, counted along its path to the root) and never evicted; unlocked nodes are
 evictable, and `evict` frees least-recently-used leaves first. Nodes split where a new key diverges,
 as in SGLang's RadixCache (python/sglang/srt/mem_cache/radix_cache.py), which this follows.
+Eviction does not walk the tree: once the pool is full of cached prefixes every arrival and every
+decoding request's next block of pages evicts, and a walk costs the engine loop time in proportion to
+everything cached. A heap of the unlocked leaves by last use is kept as they change instead (an entry
+is pushed whenever a node becomes an unlocked leaf or such a leaf is used again; entries that no longer
+hold are skipped when they surface, and the heap is rebuilt once they outnumber the nodes), so an
+eviction costs O(log n) per leaf it frees, in the same order a walk would give.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ ChildKey = int | tuple[int, ...]
 
 class Node:
     __slots__ = ("children", "id", "key", "lock", "pages", "parent", "stamp")
+    # (`parent` is None for the root and for a node evicted from the tree)
     _ids = itertools.count()
 
     def __init__(self, key: list[int], pages: list[int], parent: Node | None, stamp: int = 0):
@@ -45,7 +52,28 @@ class RadixCache:
         self.cached_tokens = 0  # tokens in the tree
         self.evictable_tokens = 0  # tokens in unlocked nodes
         self.evicted_tokens = 0  # cumulative
+        self.num_nodes = 0  # below the root
         self._clock = itertools.count(1)
+        # (stamp, id, push count, node) for unlocked leaves, pushed as they appear or are used again (a
+        # node may have several entries of one stamp: the count keeps the nodes themselves from being
+        # compared); an entry holds while its node is still in the tree, a leaf, unlocked and of that
+        # stamp (see `_holds`).
+        self._heap: list[tuple[int, int, int, Node]] = []
+        self._pushes = itertools.count()
+
+    # --- the eviction heap -------------------------------------------------------------------------
+    def _offer(self, n: Node) -> None:
+        """`n` may have become an unlocked leaf, or been used again as one: give it an entry."""
+        if not n.children and n.lock == 0 and n.parent is not None:
+            heapq.heappush(self._heap, (n.stamp, n.id, next(self._pushes), n))
+            if len(self._heap) > 2 * self.num_nodes + 64:  # mostly entries that no longer hold
+                self._heap = [x for x in self._heap if self._holds(x)]
+                heapq.heapify(self._heap)
+
+    @staticmethod
+    def _holds(x: tuple[int, int, int, Node]) -> bool:
+        stamp, _, _, n = x
+        return n.parent is not None and not n.children and n.lock == 0 and n.stamp == stamp
 
     # --- lookup and insertion --------------------------------------------------------------------
     def _ck(self, ids: list[int], i: int) -> ChildKey:
@@ -66,6 +94,7 @@ class RadixCache:
         assert parent is not None and 0 < m < len(child.key) and m % p == 0
         up = Node(child.key[:m], child.pages[: m // p], parent, child.stamp)
         up.lock = child.lock
+        self.num_nodes += 1
         parent.children[self._ck(up.key, 0)] = up
         child.key, child.pages, child.parent = child.key[m:], child.pages[m // p :], up
         up.children[self._ck(child.key, 0)] = child
@@ -88,6 +117,7 @@ class RadixCache:
             if m < len(child.key):
                 child = self._split(child, m)
             child.stamp = now
+            self._offer(child)  # (the caller usually locks it next; if not, it is a fresher leaf now)
             pages += child.pages
             i += m
             node = child
@@ -108,13 +138,16 @@ class RadixCache:
             if child is None:
                 new = Node(ids[i:], pages[i // p :], node, now)
                 node.children[self._ck(ids, i)] = new
+                self.num_nodes += 1
                 self.cached_tokens += n - i
                 self.evictable_tokens += n - i
+                self._offer(new)
                 return i
             m = self._common(child.key, ids, i)
             if m < len(child.key):
                 child = self._split(child, m)
             child.stamp = now
+            self._offer(child)
             i += m
             node = child
         return n
@@ -135,6 +168,7 @@ class RadixCache:
             node.lock -= 1
             if node.lock == 0:
                 self.evictable_tokens += len(node.key)
+                self._offer(node)
             node = node.parent  # type: ignore[assignment]
 
     # --- eviction ----------------------------------------------------------------------------------
@@ -148,18 +182,22 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` (if that many are evictable), least recently used leaves first;
         returns the tokens freed. A parent left childless and unlocked becomes a candidate in turn."""
-        heap = [(n.stamp, n.id, n) for n in self.nodes() if not n.children and n.lock == 0]
-        heapq.heapify(heap)
+        heap = self._heap
         freed = 0
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            x = heapq.heappop(heap)
+            if not self._holds(x):
+                continue
+            leaf = x[3]
             self.alloc.free(leaf.pages)
             parent = leaf.parent
             assert parent is not None
             del parent.children[self._ck(leaf.key, 0)]
+            leaf.parent = None
+            self.num_nodes -= 1
             freed += len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.stamp, parent.id, parent))
+            if parent is not self.root:
+                self._offer(parent)
         self.cached_tokens -= freed
         self.evictable_tokens -= freed
         self.evicted_tokens += freed
@@ -174,9 +212,13 @@ class RadixCache:
         """Recount the tree and compare with the running totals; returns what is wrong (tests)."""
         bad: list[str] = []
         p = self.page_size
-        cached = evictable = 0
+        cached = evictable = count = 0
         pages: set[int] = set()
+        indexed = {x[1] for x in self._heap if self._holds(x)}
         for n in self.nodes():
+            count += 1
+            if not n.children and n.lock == 0 and n.id not in indexed:
+                bad.append(f"node {n.id}: an unlocked leaf missing from the eviction heap")
             if not n.key or len(n.key) % p or len(n.pages) * p != len(n.key):
                 bad.append(f"node {n.id}: key of {len(n.key)} tokens with {len(n.pages)} pages of {p}")
             if n.lock < 0:
@@ -189,9 +231,9 @@ class RadixCache:
             pages |= set(n.pages)
             cached += len(n.key)
             evictable += len(n.key) if n.lock == 0 else 0
-        if cached != self.cached_tokens or evictable != self.evictable_tokens:
+        if cached != self.cached_tokens or evictable != self.evictable_tokens or count != self.num_nodes:
             bad.append(f"totals: cached {self.cached_tokens} (recount {cached}), "
-                       f"evictable {self.evictable_tokens} (recount {evictable})")
+                       f"evictable {self.evictable_tokens} (recount {evictable}), nodes {self.num_nodes} (recount {count})")
         return bad
 
     def pages(self) -> set[int]:

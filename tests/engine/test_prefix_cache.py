@@ -32,6 +32,28 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the tree on its own -------------------------------------------------------------------------------
+def _walk_evict_order(c: RadixCache, num_tokens: int) -> list[int]:
+    """The pages `evict(num_tokens)` must free, by the definition: walk the whole tree for its unlocked
+    leaves, free the least recently used first, a parent left childless and unlocked joining in turn
+    (what `evict` did before it kept its heap). Nothing is changed."""
+    import heapq
+
+    left = {n.id: len(n.children) for n in c.nodes()}
+    heap = [(n.stamp, n.id, n) for n in c.nodes() if not n.children and n.lock == 0]
+    heapq.heapify(heap)
+    freed, pages = 0, []
+    while freed < num_tokens and heap:
+        _, _, leaf = heapq.heappop(heap)
+        pages += leaf.pages
+        freed += len(leaf.key)
+        up = leaf.parent
+        if up is not c.root:
+            left[up.id] -= 1
+            if left[up.id] == 0 and up.lock == 0:
+                heapq.heappush(heap, (up.stamp, up.id, up))
+    return pages
+
+
 def _fill(c: RadixCache, seq: list[int], truth: dict[int, tuple[int, ...]]) -> int:
     """What the memory manager does at a request's end: pages for seq's whole pages, inserted; the
     duplicates the tree already held freed. `truth[page]` = the prefix whose last page it holds."""
@@ -98,7 +120,9 @@ def test_locks_and_lru_eviction() -> None:
 @pytest.mark.parametrize("page", [1, 2, 4])
 def test_random_operations_keep_the_tree_true(page: int) -> None:
     """Random inserts (from a few shared stems, so edges split), matches, locks and evictions: every
-    match returns pages that hold exactly the matched prefix, and the counts always add up."""
+    match returns pages that hold exactly the matched prefix, the counts always add up (every unlocked
+    leaf in the eviction heap), and each eviction frees exactly what a walk of the tree for its least
+    recently used unlocked leaves frees."""
     rng = random.Random(page)
     a = SlotAllocator(400, page_size=page)
     c = RadixCache(a)
@@ -122,7 +146,11 @@ def test_random_operations_keep_the_tree_true(page: int) -> None:
             node, _ = locked.pop(rng.randrange(len(locked)))
             c.unlock(node)
         else:
-            c.evict(rng.randint(1, 40))
+            k = rng.randint(1, 40)
+            want = _walk_evict_order(c, k)
+            before = c.pages()
+            c.evict(k)
+            assert before - c.pages() == set(want), "evict freed other pages than the LRU walk"
         for _, pages in locked:  # locked prefixes are never evicted
             assert set(pages) <= c.pages()
         assert not c.check(), step
