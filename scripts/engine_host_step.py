@@ -14,7 +14,9 @@ and the pump that publishes them, sampled as `mleagle serve` starts them, no sub
 out of the host figure and timed apart too. Then 100 arrivals of 60 tokens at an idle engine, one at
 a time: the host time of each one's prefill step beside its forward (a served first token's engine
 part), and that step in its parts (`PREFILL_PARTS`: scheduling with the KV pages, the slot-state
-rows, the batch, the forward, the first token's sampling, the wait for its copy, the rest). Prints a
+rows, the batch, the forward, the first token's sampling, the wait for its copy, the rest), with the
+prefix cache empty at the start of each repeat, or with `--cache full` full of other prompts so that
+every arrival evicts (a server that has run a while; `--pool-tokens` sets the pool's size). Prints a
 table (median and range over the repeats) and writes JSON. `--device cuda` runs the same on a GPU
 (with its CUDA graphs): there a forward is a graph launch and the rest of a step includes waiting for
 the device, so the decode split reads differently, but the lone arrival's parts are what a first
@@ -95,16 +97,36 @@ PREFILL_PARTS = [
 ]
 
 
-def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
+def fill_cache(e: Any, rng: random.Random) -> int:
+    """Fill the KV pool with cached prompts (distinct, 60 tokens, each ending at its first token) until
+    the next such arrival must evict: the state of a server that has run for a while. Returns the
+    cache's node count."""
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    p = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    i = 0
+    while (u := e.pool_usage()[0])["kv_total"] - u["kv_cached"] >= 2 * 61:
+        e.add_request(f"fill-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], p)
+        while e.has_work():
+            e.step()
+        i += 1
+    return sum(1 for _ in e.mem.cache.nodes())
+
+
+def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: int = 7) -> dict[str, Any]:
     """`n` arrivals at an idle engine, one at a time (a request of 60 tokens that ends at its first
     token): each one's prefill step, host and forward, as a served request's first token pays them,
-    and the step's parts (`PREFILL_PARTS`, each method wrapped while this runs), medians in us."""
+    and the step's parts (`PREFILL_PARTS`, each method wrapped while this runs), medians in us. The
+    prefix cache starts empty (`cache` "empty"), or full of other prompts so that every arrival evicts
+    ("full")."""
     import importlib
 
     from mleagle.engine.contract.sampling_params import SamplingParams
 
-    rng = random.Random(7)
+    rng = random.Random(seed)
     p = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    e.reset_prefix_cache()
+    nodes = fill_cache(e, rng) if cache == "full" else 0
     spent: dict[str, float] = {}
     undo = []
     for name, where, meth, _ in PREFILL_PARTS:
@@ -145,7 +167,8 @@ def prefill_one(e: Any, n: int, acc: list[float]) -> dict[str, Any]:
         for klass, meth, f in undo:
             setattr(klass, meth, f)
     return {"host_us": statistics.median(host), "forward_us": statistics.median(fwd), "step_us": statistics.median(step),
-            "parts_us": {k: statistics.median(v) for k, v in parts.items()}}
+            "parts_us": {k: statistics.median(v) for k, v in parts.items()}, "cached_nodes": nodes,
+            "evicted_tokens": e.prefix_cache_stats()["evicted_tokens"]}
 
 
 def main() -> None:
@@ -156,6 +179,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefills", type=int, default=100, help="lone arrivals timed per repeat")
+    ap.add_argument("--cache", default="empty", choices=["empty", "full"],
+                    help="the prefix cache at the lone arrivals: empty, or full of other prompts (every arrival evicts)")
+    ap.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: 400 per request of the largest batch)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the forward does not take the other core)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu (default), or cuda: there the forward is a graph launch and the rest includes waiting "
@@ -173,7 +199,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     bss = [int(x) for x in a.batch_sizes.split(",")]
     over: dict[str, Any] = {"spec_policy": a.spec_policy} if a.draft != "none" else {}
-    e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss), max_total_tokens=max(bss) * 400 + 1024,
+    e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss),
+               max_total_tokens=a.pool_tokens or max(bss) * 400 + 1024,
                **over)
     acc = [0.0]
     forward = R.ModelRunner.forward
@@ -204,8 +231,8 @@ def main() -> None:
             v = [r[k] for r in runs]
             row[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
         rows.append(row)
-    prefill_one(e, 20, acc)  # warm
-    pre = [prefill_one(e, a.prefills, acc) for _ in range(a.repeats)]
+    prefill_one(e, 20, acc, a.cache)  # warm
+    pre = [prefill_one(e, a.prefills, acc, a.cache, seed=r) for r in range(a.repeats)]
     prefill = {k: {"median": statistics.median(r[k] for r in pre), "min": min(r[k] for r in pre),
                    "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us", "step_us")}
     prefill["parts_us"] = {k: statistics.median(r["parts_us"][k] for r in pre) for k in pre[0]["parts_us"]}
@@ -222,7 +249,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['mean_rows']['median']:>9.1f} {f(r['host_us']):>22} {f(r['host_us_per_row'], 1):>18} "
               f"{f(r['forward_us']):>22} {f(r['message_us']):>18}" + (f" {f(r['events_us']):>18}" if pump is not None else ""))
-    print(f"prefill of one 60-token arrival at an idle engine (median of {a.prefills}, then median (min-max) over the repeats): "
+    nodes = f" ({pre[0]['cached_nodes']} nodes, every arrival evicts)" if a.cache == "full" else ""
+    print(f"prefill of one 60-token arrival at an idle engine, prefix cache {a.cache}{nodes} "
+          f"(median of {a.prefills}, then median (min-max) over the repeats): "
           f"host {f(prefill['host_us'])} us, forward {f(prefill['forward_us'])} us, step {f(prefill['step_us'])} us")
     print("  its parts (us, median of the repeats' medians): "
           + ", ".join(f"{k} {v:.0f}" for k, v in prefill["parts_us"].items()))
@@ -234,7 +263,7 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "rows": rows, "prefill_one": {"runs": pre, **prefill}}
+               "events": a.events, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 

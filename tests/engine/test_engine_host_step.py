@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_host_step.py"), "--batch-sizes", "4",
-                        "--repeats", "2", "--prefills", "5", "--events", "--output", str(out)],
+                        "--repeats", "2", "--prefills", "5", "--events", "--cache", "full", "--pool-tokens", "4096",
+                        "--output", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -28,6 +29,9 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
         assert run["forward_us"] > 0 and run["host_us"] > 0 and run["message_us"] > 0 and run["events_us"] > 0
     pre = res["prefill_one"]
     assert len(pre["runs"]) == 2 and pre["host_us"]["median"] > 0 and pre["forward_us"]["median"] > 0
+    # `--cache full`: the pool was filled with cached prompts first, so the arrivals evicted.
+    assert 4000 < res["pool_tokens"] <= 4096 and all(run["cached_nodes"] >= 4096 // 61 - 2 for run in pre["runs"])
+    assert pre["runs"][-1]["evicted_tokens"] > 0
     # The prefill step in its parts: each wrapped method was called (a rename must not leave a part at
     # zero), and the top-level parts with the forward and the rest add up to the step.
     parts = pre["runs"][0]["parts_us"]
@@ -36,7 +40,7 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     assert parts["kv pages"] < parts["schedule"] < pre["runs"][0]["host_us"]
     assert abs(top + parts["rest"] + pre["runs"][0]["forward_us"] - pre["runs"][0]["step_us"]) < 0.2 * pre["runs"][0]["step_us"]
     assert "its parts (us" in r.stdout
-    assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout
+    assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout and "every arrival evicts" in r.stdout
 
 
 def test_host_op_cost_times_each_operation_idle_and_busy() -> None:
