@@ -7,7 +7,7 @@ penalty state (output-token counts, the prompt's token set, the tokens banned be
 `min_new_tokens`). A decode iteration gathers the rows of its batch, computes, and scatters the new
 values back: nothing done per step copies a request's history, so a step costs the same at token 10
 and at token 10,000. The extra last row is the pad row: graph padding reads it and nothing writes it.
-Rows are (re)filled when a request is admitted, in one batched copy per field; a few numpy mirrors
+Rows are (re)filled when a request is admitted, in one batched copy; a few numpy mirrors
 give the host the per-batch flags (any penalties, any filters, the largest logprobs count) without a
 device read. Every write to the state goes through a method of this class: admission, the first token
 of a prefill and every iteration's commit, greedy speculation's fused accept and draft steps (the
@@ -84,25 +84,32 @@ class SlotState:
 
     # --- admission ---------------------------------------------------------------------------
     def admit(self, reqs: Sequence[Req]) -> None:
-        """(Re)fill the rows of requests starting (or resuming) prefill, one copy per field."""
+        """(Re)fill the rows of requests starting (or resuming) prefill, in one copy and one write per dtype."""
         if not reqs:
             return
         v = self.vocab
         rows = [r.req_pool_idx for r in reqs]
         ps = [r.params for r in reqs]
         self._flags_rows = self._flags = None
-        idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-
-        def put(t: torch.Tensor, vals: list[list]) -> None:  # one field per list, in the rows' order
-            t.index_copy_(1, idx, torch.tensor(vals, dtype=t.dtype).to(self.device, non_blocking=True))
-
-        put(self._f, [[p.temperature if not p.greedy else 1.0 for p in ps], [p.top_p for p in ps],
-                      [p.min_p for p in ps], [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
-                      [p.frequency_penalty for p in ps]])
-        put(self._i, [[p.top_k if 0 < p.top_k < v else v for p in ps], [r.seed for r in reqs],
-                      [p.min_new_tokens for p in ps], [len(r.output_ids) for r in reqs], [0] * len(reqs),
-                      [r.output_ids[-1] if r.output_ids else 0 for r in reqs]])
-        put(self._b, [[p.greedy for p in ps], [p.seed is not None and not p.greedy for p in ps]])
+        # The rows and every field's values go over in one copy of their bytes, split on the device into
+        # views of each dtype (a copy per dtype costs a GPU's host a launch each, and a first token waits
+        # for every operation queued before it). Each part's byte length is a multiple of 8 (6 float32 rows
+        # of n: 24n bytes), the bools last, so every view starts where its dtype may.
+        n = len(reqs)
+        ints = [[p.top_k if 0 < p.top_k < v else v for p in ps], [r.seed for r in reqs], [p.min_new_tokens for p in ps],
+                [len(r.output_ids) for r in reqs], [0] * n, [r.output_ids[-1] if r.output_ids else 0 for r in reqs]]
+        floats = [[p.temperature if not p.greedy else 1.0 for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                  [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]]
+        bools = [[p.greedy for p in ps], [p.seed is not None and not p.greedy for p in ps]]
+        host: list[np.ndarray] = [np.asarray(rows, dtype=np.int64), np.asarray(ints, dtype=np.int64),
+                                  np.asarray(floats, dtype=np.float32), np.asarray(bools, dtype=np.bool_)]
+        sizes = [a.nbytes for a in host]
+        idx, i64, f32, b = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in host])).to(
+            self.device, non_blocking=True).split_with_sizes(sizes)
+        idx = idx.view(torch.int64)
+        self._i.index_copy_(1, idx, i64.view(torch.int64).view(6, n))
+        self._f.index_copy_(1, idx, f32.view(torch.float32).view(6, n))
+        self._b.index_copy_(1, idx, b.view(torch.bool).view(2, n))
         for i, (row, p) in enumerate(zip(rows, ps)):
             self.h_greedy[row] = p.greedy
             self.h_pen[row] = p.has_penalties
@@ -146,7 +153,12 @@ class SlotState:
         if reqs:  # the rows and their lengths in one copy
             idx, kv = torch.tensor([[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]],
                                    dtype=torch.int64).to(self.device, non_blocking=True)
-            self.kv_len.index_copy_(0, idx, kv)
+            self.set_kv_len_rows(idx, kv)
+
+    def set_kv_len_rows(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """The KV lengths of `rows` (both on the device already: a prefill copies them with its other inputs)."""
+        if rows.numel():
+            self.kv_len.index_copy_(0, rows, kv_lens)
 
     # --- per batch -----------------------------------------------------------------------------
     def flags(self, rows: Sequence[int], reqs: Sequence[Req] | None = None) -> RowFlags:
@@ -227,6 +239,16 @@ class SlotState:
             valid = (self._ar[:w].view(1, -1) < n_emit.view(-1, 1)).to(torch.int32)
             self.counts.index_put_((rpi.view(-1, 1).expand(bs, w).reshape(-1), tokens.reshape(-1)),
                                    valid.reshape(-1), accumulate=True)
+
+    def commit_first(self, rpi: torch.Tensor, tok: torch.Tensor, flags: RowFlags) -> None:
+        """A prefill's first tokens [bs] for rows that have emitted nothing yet (admission set their count
+        to 0): `commit` of one token each without KV (the prefill wrote it), in two operations for the rows'
+        last token and count (each operation costs a GPU's host a launch, and a first token waits for
+        them) rather than `commit`'s general gather and add."""
+        self.last_tok.index_copy_(0, rpi, tok)
+        self.n_out.index_fill_(0, rpi, 1)
+        if flags.penalties and self.counts is not None:
+            self.counts.index_put_((rpi, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
 
     # --- speculation ---------------------------------------------------------------------------
     def verify_greedy(self, logits: torch.Tensor, w: int, rpi: torch.Tensor, live: torch.Tensor | None,

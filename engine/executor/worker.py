@@ -428,26 +428,35 @@ class TargetWorker:
                 results[i].prompt_logprobs = self._prompt_logprobs(r, logits[starts[i] : starts[i + 1]], c)
             r.kv_len += c
         done = [i for i, r in enumerate(reqs) if not r.prefilling]
-        self.state.set_kv_len([reqs[i] for i in done])
         # A resumed request (preempted after generating) already has its next input token: no sample.
         first = [i for i in done if not reqs[i].output_ids]
+        if not done:
+            return results
+        # The finished rows' KV lengths, and the first tokens' slots and logit rows, in one copy (a first
+        # token waits for every operation queued before it: on a GPU each costs the host a launch).
+        host: list[list[int]] = [[reqs[i].req_pool_idx for i in done], [reqs[i].kv_len for i in done],  # type: ignore[misc]
+                                 [reqs[i].req_pool_idx for i in first], [last_rows[i] for i in first]]  # type: ignore[misc]
+        kv_rows, kv_lens, rpi, rows_t = torch.tensor([x for h in host for x in h], dtype=torch.int64).to(
+            self.device, non_blocking=True).split_with_sizes([len(h) for h in host])
+        self.state.set_kv_len_rows(kv_rows, kv_lens)
         if first:
             fr = [reqs[i] for i in first]
-            # The rows' slots and logit rows in one copy (a first token waits for every copy before it).
-            rpi, rows_t = torch.tensor([[r.req_pool_idx for r in fr], [last_rows[i] for i in first]],
-                                       dtype=torch.int64).to(self.device, non_blocking=True)
-            x_raw = logits.index_select(0, rows_t)
-            flags = self.state.flags([r.req_pool_idx for r in fr], fr)  # type: ignore[misc]
+            # Each request's last row in order (no prompt logprobs): those rows as they are, no gather.
+            in_order = host[3] == list(range(len(fr)))
+            x_raw = logits[: len(fr)] if in_order else logits.index_select(0, rows_t)
+            flags = self.state.flags(host[2], fr)
             flags = self.constrain.begin(fr, flags)  # constrain: which rows have a grammar
             tok = self._sample(x_raw, rpi, flags)
             if flags.constrained:  # constrain: the matchers take the first tokens
                 self.constrain.commit(tok.view(-1, 1), torch.ones_like(tok))
             lp = logprobs(x_raw, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
-            self.state.commit(rpi, tok.view(-1, 1), torch.ones_like(tok), flags, kv=False)
+            self.state.commit_first(rpi, tok, flags)
             # The first tokens travel back like an iteration's results, and are read by `settle_prefill`
             # when the scheduler applies the step: reading them here would wait for the iteration in flight
             # and this prefill before the next iteration is even launched (the GPU would idle meanwhile).
-            p = self._copy_back(fr, 1, flags, pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1), Timer(self.device))
+            # Without logprobs the tokens themselves are the result (one per request): no packing.
+            packed = tok.view(-1, 1) if lp is None else pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1)
+            p = self._copy_back(fr, 1, flags, packed, Timer(self.device))
             self._first = (p, [results[i] for i in first])
         return results
 
@@ -461,9 +470,13 @@ class TargetWorker:
         p, results = first
         if p.done is not None:
             p.done.synchronize()
-        for res, (toks, lps) in zip(results, unpack(p)):
-            res.tokens = toks
-            res.logprobs = lps
+        if p.packed.dtype == torch.int64:  # the tokens alone (no logprobs asked): one per request
+            for res, t in zip(results, p.packed.view(-1).tolist()):
+                res.tokens = [t]
+        else:
+            for res, (toks, lps) in zip(results, unpack(p)):
+                res.tokens = toks
+                res.logprobs = lps
         _attach_cuts(results, p.cuts)
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:

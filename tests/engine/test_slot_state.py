@@ -40,6 +40,83 @@ def test_admission_fills_rows_and_host_flags() -> None:
     assert st.draft_q is not None  # a sampled request under speculation needs draft distributions
 
 
+def test_admission_writes_every_field_exactly() -> None:
+    """Admission's one copy of every field's bytes (split on the device by dtype) lands each value in its
+    field and row: float32 parameters, 64-bit seeds beyond 2^53, counts, bools, a resumed request's last
+    token; the rows not admitted keep theirs."""
+    st = _state(6)
+    a = _req(1, temperature=0.7, top_p=0.9, min_p=0.05, top_k=5, repetition_penalty=1.3, presence_penalty=0.4,
+             frequency_penalty=-0.2, min_new_tokens=3, seed=11)
+    b = _req(3, temperature=0.0, top_k=V + 9)
+    b.seed = 2**62 + 3
+    b.output_ids = [8, 21]  # resumed after a preemption: its last output is its next input
+    before = {f: getattr(st, f)[[0, 2]].clone() for f in ("temperature", "top_k", "seed", "greedy", "n_out")}
+    st.admit([a, b])
+    assert st.temperature[[1, 3]].tolist() == [torch.tensor(0.7).item(), 1.0]
+    assert st.top_p[[1, 3]].tolist() == [torch.tensor(0.9).item(), 1.0]
+    assert st.min_p[1].item() == torch.tensor(0.05).item() and st.rep[1].item() == torch.tensor(1.3).item()
+    assert st.pres[1].item() == torch.tensor(0.4).item() and st.freq[1].item() == torch.tensor(-0.2).item()
+    assert st.top_k[[1, 3]].tolist() == [5, V] and st.seed[[1, 3]].tolist() == [a.seed, 2**62 + 3]
+    assert st.min_new[[1, 3]].tolist() == [3, 0] and st.n_out[[1, 3]].tolist() == [0, 2]
+    assert st.iters[[1, 3]].tolist() == [0, 0] and st.last_tok[[1, 3]].tolist() == [0, 21]
+    assert st.greedy[[1, 3]].tolist() == [False, True] and st.coupled[[1, 3]].tolist() == [True, False]
+    for f, v in before.items():
+        assert torch.equal(getattr(st, f)[[0, 2]], v), f
+
+
+def test_first_token_commit_equals_the_general_commit() -> None:
+    """`commit_first` (a prefill's first tokens in two writes) leaves the state exactly as `commit` of one
+    token per row without KV does, penalty counts included."""
+    import dataclasses
+
+    reqs = [_req(0, temperature=0.0), _req(2, temperature=0.9, repetition_penalty=1.2), _req(3, temperature=0.0)]
+    a, b = _state(), _state()
+    for st in (a, b):
+        st.admit(reqs)
+        st.kv_len[[0, 2, 3]] = torch.tensor([3, 3, 3])
+    rpi, tok = torch.tensor([0, 2, 3]), torch.tensor([7, 30, 7])
+    flags = dataclasses.replace(a.flags([0, 2, 3]), penalties=True)
+    a.commit_first(rpi, tok, flags)
+    b.commit(rpi, tok.view(-1, 1), torch.ones_like(tok), flags, kv=False)
+    for f in ("last_tok", "n_out", "kv_len", "iters", "counts"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert a.n_out[[0, 2, 3]].tolist() == [1, 1, 1] and int(a.counts[2, 30]) == 1  # type: ignore[index]
+
+
+def test_the_state_mirrors_every_request_after_each_step() -> None:
+    """In a real engine (a tiny random model, target-only and with two draft layers), after every step the
+    slot row of each request that has emitted tokens holds its count, its last token (the next input) and
+    its KV length, and a penalized request's output counts are its tokens': what the prefill's first
+    token and every iteration's commit must keep."""
+    from tests.spec_helpers import tiny_engine
+
+    for draft in ("none", "random:2"):
+        e = tiny_engine(draft)
+        st = e.worker.state
+        params = [SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True),
+                  SamplingParams(temperature=0.8, seed=3, max_new_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+                  SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True, presence_penalty=0.5),
+                  SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, min_new_tokens=4)]
+        for i, p in enumerate(params):
+            e.add_request(f"{draft}-{i}", [(i * 7 + j) % 200 + 1 for j in range(5 + 6 * i)], p)
+        steps = 0
+        while e.has_work():
+            e.step()
+            steps += 1
+            for r in e.scheduler.running:
+                if not r.output_ids:
+                    continue
+                row = r.req_pool_idx
+                assert int(st.n_out[row]) == len(r.output_ids), (draft, steps, r.rid)
+                assert int(st.last_tok[row]) == r.output_ids[-1], (draft, steps, r.rid)
+                assert int(st.kv_len[row]) == r.kv_len, (draft, steps, r.rid)
+                if r.params.has_penalties:
+                    assert st.counts is not None
+                    want = torch.bincount(torch.tensor(r.output_ids), minlength=st.vocab).to(torch.int32)
+                    assert torch.equal(st.counts[row], want), (draft, steps, r.rid)
+        assert steps > 4
+
+
 def test_batch_flags_follow_a_row_readmitted_with_other_params() -> None:
     """The flags of a batch are reused while its rows stay (most decode steps); a row given to another
     request with other parameters must change them, and a minimum reached turns the bans off."""
