@@ -26,6 +26,8 @@ token's `prefill` phase is made of on that machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import platform
 import random
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +100,79 @@ PREFILL_PARTS = [
 ]
 
 
+@contextlib.contextmanager
+def wrapped(parts: list[tuple[str, str, str, bool]], before: Any, after: Any) -> Iterator[None]:
+    """Each part's method wrapped while this lasts: `before(name)` as it is entered, `after(name)` as it
+    returns (or raises)."""
+    undo = []
+    for name, where, meth, _ in parts:
+        mod, cls = where.split(":")
+        klass = getattr(importlib.import_module(mod), cls)
+        f = klass.__dict__[meth]
+
+        def w(*args: Any, _f: Any = f, _name: str = name, **kw: Any) -> Any:
+            before(_name)
+            try:
+                return _f(*args, **kw)
+            finally:
+                after(_name)
+
+        setattr(klass, meth, w)
+        undo.append((klass, meth, f))
+    try:
+        yield
+    finally:
+        for klass, meth, f in undo:
+            setattr(klass, meth, f)
+
+
+def count_ops(e: Any) -> dict[str, dict[str, int]]:
+    """The torch operations one 60-token arrival's prefill step dispatches, by part (inclusive: `kv
+    pages` is inside `schedule`) and the forward: `kernels` (every operation that computes or copies;
+    on a GPU each is a launch or a copy the host pays for) and `views` (host-only: no launch), and
+    `host tensors` (built from Python values or numpy arrays: on a GPU each one the step uses goes
+    over in a host-to-device copy, a `kernels` entry there but not on the CPU). A regression guard that needs no GPU to read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    names = PREFILL_PARTS + [("forward", "mleagle.engine.executor.runner:ModelRunner", "forward", True)]
+    counts = {name: {"kernels": 0, "views": 0, "host tensors": 0} for name, *_ in names} | {
+        "step": {"kernels": 0, "views": 0, "host tensors": 0}}
+    inside: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kind = "host tensors" if func.overloadpacket.__name__ == "lift_fresh" else "views" if func.is_view else "kernels"
+            for name in {*inside, "step"}:
+                counts[name][kind] += 1
+            return func(*args, **(kwargs or {}))
+
+    rng = random.Random(11)
+    e.add_request("count-ops", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)],
+                  SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    import torch
+
+    from_numpy = torch.from_numpy
+
+    def counted_from_numpy(a: Any) -> Any:  # not a dispatched operation, but a host tensor as `lift_fresh` is
+        for name in {*inside, "step"}:
+            counts[name]["host tensors"] += 1
+        return from_numpy(a)
+
+    torch.from_numpy = counted_from_numpy  # type: ignore[assignment]
+    try:
+        with wrapped(names, inside.append, lambda _name: inside.pop()), Count():
+            e.step()
+    finally:
+        torch.from_numpy = from_numpy  # type: ignore[assignment]
+    while e.has_work():
+        e.step()
+    top = [name for name, _, _, is_top in names if is_top]
+    counts["rest"] = {k: counts["step"][k] - sum(counts[name][k] for name in top) for k in counts["step"]}
+    return counts
+
+
 def fill_cache(e: Any, rng: random.Random) -> int:
     """Fill the KV pool with cached prompts (distinct, 60 tokens, each ending at its first token) until
     the next such arrival must evict: the state of a server that has run for a while. Returns the
@@ -119,8 +195,6 @@ def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: in
     and the step's parts (`PREFILL_PARTS`, each method wrapped while this runs), medians in us. The
     prefix cache starts empty (`cache` "empty"), or full of other prompts so that every arrival evicts
     ("full")."""
-    import importlib
-
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -128,24 +202,17 @@ def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: in
     e.reset_prefix_cache()
     nodes = fill_cache(e, rng) if cache == "full" else 0
     spent: dict[str, float] = {}
-    undo = []
-    for name, where, meth, _ in PREFILL_PARTS:
-        mod, cls = where.split(":")
-        klass = getattr(importlib.import_module(mod), cls)
-        f = klass.__dict__[meth]
+    began: list[float] = []
 
-        def timed(*args: Any, _f: Any = f, _name: str = name, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return _f(*args, **kw)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+    def start(_name: str) -> None:
+        began.append(time.perf_counter())
 
-        setattr(klass, meth, timed)
-        undo.append((klass, meth, f))
+    def stop(name: str) -> None:
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - began.pop()
+
     host, fwd, step = [], [], []
     parts: dict[str, list[float]] = {name: [] for name, *_ in PREFILL_PARTS} | {"rest": []}
-    try:
+    with wrapped(PREFILL_PARTS, start, stop):
         for i in range(n):
             e.add_request(f"prefill-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], p)
             acc[0] = 0.0
@@ -163,9 +230,6 @@ def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: in
                 parts[name].append(got.get(name, 0.0) * 1e6)
             top = sum(got.get(name, 0.0) for name, _, _, is_top in PREFILL_PARTS if is_top)
             parts["rest"].append((dt - acc[0] - top) * 1e6)
-    finally:
-        for klass, meth, f in undo:
-            setattr(klass, meth, f)
     return {"host_us": statistics.median(host), "forward_us": statistics.median(fwd), "step_us": statistics.median(step),
             "parts_us": {k: statistics.median(v) for k, v in parts.items()}, "cached_nodes": nodes,
             "evicted_tokens": e.prefix_cache_stats()["evicted_tokens"]}
@@ -236,6 +300,7 @@ def main() -> None:
     prefill = {k: {"median": statistics.median(r[k] for r in pre), "min": min(r[k] for r in pre),
                    "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us", "step_us")}
     prefill["parts_us"] = {k: statistics.median(r["parts_us"][k] for r in pre) for k in pre[0]["parts_us"]}
+    ops = count_ops(e)
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
         head += f" {'events us/step':>18}"
@@ -255,6 +320,8 @@ def main() -> None:
           f"host {f(prefill['host_us'])} us, forward {f(prefill['forward_us'])} us, step {f(prefill['step_us'])} us")
     print("  its parts (us, median of the repeats' medians): "
           + ", ".join(f"{k} {v:.0f}" for k, v in prefill["parts_us"].items()))
+    print("  its torch operations (kernels/views/host tensors): "
+          + ", ".join(f"{k} {v['kernels']}/{v['views']}/{v['host tensors']}" for k, v in ops.items()))
     if a.output:
         import mleagle
 
@@ -263,7 +330,7 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill}}
+               "events": a.events, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 
