@@ -39,7 +39,14 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     top = sum(parts[k] for k in ("schedule", "admit", "build batch", "first token", "settle"))
     assert parts["kv pages"] < parts["schedule"] < pre["runs"][0]["host_us"]
     assert abs(top + parts["rest"] + pre["runs"][0]["forward_us"] - pre["runs"][0]["step_us"]) < 0.2 * pre["runs"][0]["step_us"]
-    assert "its parts (us" in r.stdout
+    # Its torch operations by part, counted as dispatched: the forward and the first token compute, and
+    # the top-level parts with the forward and the rest are the step's.
+    ops = pre["ops"]
+    assert ops["forward"]["kernels"] > 0 and ops["first token"]["kernels"] > 0 and ops["admit"]["host tensors"] > 0
+    for k in ("kernels", "views", "host tensors"):
+        top = sum(ops[n][k] for n in ("schedule", "admit", "build batch", "first token", "settle", "forward", "rest"))
+        assert top == ops["step"][k] and ops["rest"][k] >= 0, (k, ops)
+    assert "its parts (us" in r.stdout and "its torch operations" in r.stdout
     assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout and "every arrival evicts" in r.stdout
 
 
