@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,7 +176,11 @@ class Generation:
         self.streaming = False
         self._split: dict[int, tuple[list[float], float]] = {}  # choice -> (engine timing, taken at)
         self.choices: list[Choice] = []
-        self.sink = OutputQueue(buffer_tokens, self._overflow)
+        # The sink calls back through a weak reference: a bound method would make generation and queue a
+        # cycle, and every request's objects would then wait for the collector (a pause on the loop
+        # every stream shares) instead of going as the route returns.
+        overflow = weakref.WeakMethod(self._overflow)
+        self.sink = OutputQueue(buffer_tokens, lambda: (f := overflow()) is not None and f())
         self.prompt_tokens = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, count_prompt: bool = True) -> Choice:

@@ -515,6 +515,10 @@ async def stream(request: web.Request, gen: Generation, fmt: Any) -> web.StreamR
             sse._drop()
             raise err from None
         return await sse.cut(err)
+    finally:
+        # `direct` holds the generation that holds the queue that holds `direct`: without this the
+        # request's objects would wait for the collector instead of going as the route returns.
+        gen.sink.direct = None
 
 
 # ---- routes ---------------------------------------------------------------------------------------

@@ -361,3 +361,56 @@ async def test_a_first_delta_reaches_its_route_before_the_running_streams_frames
     assert [sinks["run1"].get_nowait()[1].token_ids for _ in range(2)] == [[10], [11]]
     await asyncio.sleep(0)  # the first batch's callback finds nothing left to do
     assert sinks["run1"].empty()
+
+
+async def test_a_finished_request_leaves_nothing_for_the_collector(eng: Scripted, tok: Tokenizer) -> None:
+    """With the cyclic collector off, every request's objects go as its route returns, whatever way it
+    ended (a stream the callback wrote, n=2 through the route's task, a whole response, a client that
+    left mid-stream): the generation and its queue form no cycle (the queue's overflow callback and the
+    route's direct writer would each close one), so a collection on the loop every stream shares has no
+    per-request garbage to walk."""
+    import gc
+
+    from mleagle.daemon.generation import Generation, OutputQueue
+
+    ids = tok.encode("a few words here", add_special_tokens=False)
+    gc.collect()
+    gc.disable()
+    try:
+        async with session() as s:
+            # streamed, through the callback, to its end
+            req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
+            rid = (await eng.added())[0]
+            eng.emit(out(rid, ids[:1]))
+            it = sse_events((await req).content)
+            await first_text(it)
+            eng.emit(*(out(rid, [i]) for i in ids[1:-1]), out(rid, ids[-1:], True, "length"))
+            assert [e async for e in it][-1] is None
+            # n=2, and a whole (unstreamed) response
+            req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat(n=2)))
+            a, b = (await eng.added(3))[1:]
+            eng.emit(out(a, ids, True, "length"), out(b, ids, True, "length"))
+            assert [e async for e in sse_events((await req).content)][-1] is None
+            req = asyncio.ensure_future(s.post(eng.url + "/v1/completions", json={"prompt": "hi"}))
+            c = (await eng.added(4))[3]
+            eng.emit(out(c, ids, True, "length"))
+            assert (await (await req).json())["choices"][0]["text"] == tok.decode(ids)
+            # a client that leaves mid-stream
+            req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
+            d = (await eng.added(5))[4]
+            eng.emit(out(d, ids[:1]))
+            it = sse_events((await req).content)
+            await first_text(it)
+            eng.emit(out(d, ids[1:2]))
+            await it.__anext__()
+        for _ in range(1000):  # the last route learns that its client left
+            if d in eng.aborted() and not eng.srv.gens:
+                break
+            await asyncio.sleep(0.005)
+        assert d in eng.aborted() and not eng.srv.gens
+        eng.emit(out(d, [], True, "abort"))  # the engine's answer to the abort: the client forgets the request
+        await asyncio.sleep(0.05)  # the handlers' tasks finish
+        left = [o for o in gc.get_objects() if isinstance(o, (Generation, OutputQueue))]
+        assert not left, f"{len(left)} generations or queues kept alive only by a cycle"
+    finally:
+        gc.enable()
