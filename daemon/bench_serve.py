@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from mleagle.engine.contract.config import data_dir
+from mleagle.engine.contract.gc_watch import GcWatch
 
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
 
@@ -178,9 +179,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             def ready() -> None:
                 asyncio.run_coroutine_threadsafe(read_before(), loop).result(timeout=60)
 
-            results, dur, shares = await asyncio.to_thread(_run_procs, args, model, prompts, procs, ready)
+            results, dur, shares, gcs = await asyncio.to_thread(_run_procs, args, model, prompts, procs, ready)
         else:
             await read_before()
+            watch = GcWatch().install()
             cpu_client0 = time.process_time()
             t0 = time.perf_counter()
             tasks = []
@@ -191,6 +193,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results = list(await asyncio.gather(*tasks))
             dur = time.perf_counter() - t0
             shares = [(time.process_time() - cpu_client0) / dur if dur > 0 else 0.0]
+            watch.remove()
+            gcs = [watch.snapshot()]
         tw0, d0 = before["t"], before["d"]
         dm0 = d0.get("daemon", {})
         cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
@@ -201,6 +205,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # queueing is in the TTFT and ITL it reports (the server's TTFT split is not). The busiest one.
         summ["client_procs"] = procs
         summ["client_cpu_share"] = max(shares)
+        # A collection in a client process stalls every stream it reads: their frames wait in its socket
+        # buffers, and the TTFT and ITL it reports grow by the pause (the server's split does not).
+        summ["client_gc"] = {"collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
+                             "pause_ms": [round(sum(g["pause_ms"][i] for g in gcs), 3) for i in range(3)],
+                             "max_pause_ms": [max(g["max_pause_ms"][i] for g in gcs) for i in range(3)]}
         server: dict[str, Any] = {}
         d = await _debug(s, args.url, seq0 if seq0 is not None else 1 << 62)
         window = time.perf_counter() - tw0
@@ -386,9 +395,9 @@ def phase_summary(ph: dict[str, Any] | None, ids: set[str] | None = None) -> dic
 def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc: int, barrier: Any,
                  out: Any) -> None:
     """One client process of `--client-procs`: a closed loop over its prompts at `conc`, started with
-    the others at the barrier; puts (results, monotonic end, CPU seconds) on `out`."""
+    the others at the barrier; puts (results, monotonic end, CPU seconds, its collections) on `out`."""
 
-    async def go() -> tuple[list[Result], float, float]:
+    async def go() -> tuple[list[Result], float, float, dict[str, Any]]:
         async with session(args) as s:
             sem = asyncio.Semaphore(conc)
 
@@ -398,9 +407,12 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
 
             await asyncio.to_thread(barrier.wait)  # every process ready: the parent reads the server's counters
             await asyncio.to_thread(barrier.wait)  # released together
+            watch = GcWatch().install()
             cpu0 = time.process_time()
             res = list(await asyncio.gather(*(task(p) for p in prompts)))
-            return res, time.monotonic(), time.process_time() - cpu0
+            end, cpu = time.monotonic(), time.process_time() - cpu0
+            watch.remove()
+            return res, end, cpu, watch.snapshot()
 
     try:
         out.put(asyncio.run(go()))
@@ -410,12 +422,13 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
 
 
 def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: int,
-               ready: Callable[[], None] | None = None) -> tuple[list[Result], float, list[float]]:
+               ready: Callable[[], None] | None = None) -> tuple[list[Result], float, list[float], list[dict[str, Any]]]:
     """The closed loop split over `procs` client processes (started, then released together; `ready`
     runs once all are up, just before the release): request
     j goes to process j mod procs, the concurrency is shared out as evenly as it divides. Returns the
     results with every process's first wave first (so `summarize`'s first wave is theirs together),
-    the wall time from the release to the last finish, and each process's CPU share of a core."""
+    the wall time from the release to the last finish, and each process's CPU share of a core and
+    garbage collections."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # never fork a process that runs an event loop
@@ -441,10 +454,10 @@ def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: 
     errs = [g for g in got if isinstance(g, BaseException)]
     if errs:
         raise RuntimeError(f"a client process failed: {errs[0]!r}")
-    dur = max(end for _, end, _ in got) - t0
-    firsts = [r for (res, _, _), k in zip(got, concs) for r in res[:k]]
-    rest = [r for (res, _, _), k in zip(got, concs) for r in res[k:]]
-    return firsts + rest, dur, [cpu / dur if dur > 0 else 0.0 for _, _, cpu in got]
+    dur = max(end for _, end, _, _ in got) - t0
+    firsts = [r for (res, _, _, _), k in zip(got, concs) for r in res[:k]]
+    rest = [r for (res, _, _, _), k in zip(got, concs) for r in res[k:]]
+    return firsts + rest, dur, [cpu / dur if dur > 0 else 0.0 for _, _, cpu, _ in got], [g for *_, g in got]
 
 
 def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[str, Any]:
@@ -526,6 +539,11 @@ def table(res: dict[str, Any]) -> str:
                     ("tpot_ms", "TPOT (ms)"), ("e2e_ms", "E2E (ms)")):
         v = res[k]
         lines.append(f"{name:<28}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
+    g = res.get("client_gc")
+    if g:
+        lines.append(f"{'client GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "
+                     f"{sum(g['pause_ms']):.1f} ms paused (all processes); longest "
+                     f"{'/'.join(f'{x:.1f}' for x in g['max_pause_ms'])} ms")
     srv = res.get("server") or {}
     if srv:
         lines.append(f"{'peak RSS daemon/engine (MB)':<28}{srv.get('daemon_max_rss_mb') or 0:.0f} / "

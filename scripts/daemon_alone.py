@@ -8,8 +8,9 @@ another process on the real engine channel: the engine answers pings and, every 
 `Outputs` message with one token for each request it holds (text from a fixed paragraph), ending each
 after a length drawn between a quarter of its `max_tokens` and all of it (as answers end at their EOS). Then it runs `mleagle bench serve` against it (MT-Bench chat by default, `--ignore-eos`,
 4 x concurrency requests after a warm-up of one wave) and prints, per run, what the clients got
-against what the engine emitted, ITL and TTFT, the daemon's CPU per token, and how many token deltas
-it merged because it read several steps at once (`EngineClient._on_msgs`). No model runs, so this is
+against what the engine emitted, ITL and TTFT, the daemon's CPU per token, how many token deltas
+it merged because it read several steps at once (`EngineClient._on_msgs`), and the daemon's garbage
+collections over the run (their count and pause per generation). No model runs, so this is
 the daemon's own ceiling: where the clients' rate falls below the engine's, the daemon (or the client
 beside it, whose CPU share is printed too) is what limits a server whose engine is that fast.
 Nothing of this is a test: the engine here is a script, and a real one is what `bench serve-matrix`
@@ -196,7 +197,7 @@ def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[
             "tokens_per_chunk": res["mean_tokens_per_chunk"],
             "daemon_cpu_us_per_token": srv.get("daemon_cpu_us_per_token"), "daemon_cpu_share": srv.get("daemon_cpu_share"),
             "coalesced": srv.get("daemon_coalesced"), "client_cpu_share": res.get("client_cpu_share"),
-            "failed": res["failed"],
+            "failed": res["failed"], "daemon_gc": srv.get("daemon_gc"),
             # the server's TTFT split (means and p90 per phase, ms), and the client's time before the route
             "ttft_phases": {k: {"mean_ms": v["mean_ms"], "p90_ms": v["p90_ms"]}
                             for k, v in ((srv.get("ttft_phases") or {}).get("phases") or {}).items()},
@@ -228,7 +229,9 @@ def main() -> None:
                 print(f"[daemon-alone] repeat {rep} step {step_ms} ms c{conc}: {r['output_tok_s']:.0f} of "
                       f"{r['engine_tok_s']:.0f} tok/s, daemon {r['daemon_cpu_us_per_token']:.1f} us/token, "
                       f"{r['coalesced']} coalesced; TTFT split means (ms): "
-                      + " ".join(f"{k} {v['mean_ms']:.2f}" for k, v in r["ttft_phases"].items()), flush=True)
+                      + " ".join(f"{k} {v['mean_ms']:.2f}" for k, v in r["ttft_phases"].items())
+                      + (f"; daemon GC (gen 0/1/2) {'/'.join(map(str, g['collections']))} collections, "
+                         f"{'/'.join(f'{x:.1f}' for x in g['pause_ms'])} ms" if (g := r["daemon_gc"]) else ""), flush=True)
     cols = (("kept_up", "kept up", 2), ("output_tok_s", "client tok/s", 0), ("itl_p50_ms", "ITL p50", 2),
             ("itl_p99_ms", "ITL p99", 2), ("ttft_p90_ms", "TTFT p90", 1), ("tokens_per_chunk", "tok/chunk", 2),
             ("daemon_cpu_us_per_token", "daemon us/tok", 1), ("daemon_cpu_share", "daemon core", 2),
