@@ -5,7 +5,8 @@ prefix), so they cannot be captured by batch size like decode. An `ExtendGraphRu
 runner's EXTEND forward for token buckets (16, 32, 64, ... up to the configured maximum) with a fixed
 number of request slots per bucket (`slots(T)`: the bucket's tokens or the engine's request slots,
 whichever is fewer), as SGLang's prefill graphs do. A live batch of t tokens over b requests is copied
-into the fixed buffers of the smallest bucket T >= t with b <= slots(T): the padding tokens after the
+into the fixed buffers of the smallest bucket T >= t with b <= slots(T) (the bucket's integer inputs in
+one copy from the host values the batch was built with, padding included): the padding tokens after the
 live ones carry position 0 and slot 0 (the reserved pad slot), so they write only the pad slot; the
 padding requests are zero-length (no query rows, no keys, the pad request row), so they read and
 write nothing. Each request's query offset and length live in device buffers the attention kernel
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets
@@ -72,26 +74,34 @@ class ExtendGraphRunner:
         dev = r2t.req_to_token.device
         self.device = dev
         self.pad_row = r2t.pad_row
-        t, r = self.buckets[-1], self.slots(self.buckets[-1])
-        i64 = torch.int64
-        self.buf = {
-            "input_ids": torch.zeros(t, dtype=i64, device=dev),
-            "positions": torch.zeros(t, dtype=i64, device=dev),
-            "out_cache_loc": torch.zeros(t, dtype=i64, device=dev),
-        }
-        if hidden_size:
-            self.buf["hidden_in"] = torch.zeros(t, hidden_size, dtype=dtype, device=dev)
-        self.rpi = torch.full((r,), self.pad_row, dtype=i64, device=dev)
-        self.logit_rows = torch.zeros(r, dtype=i64, device=dev)
-        # Per request slot: KV length after the forward, first query row, rows (zero for a pad request).
-        self.meta = torch.zeros(3, r, dtype=i64, device=dev)
-        self._hi = t  # token rows that may hold live data (all of them before the first fill)
+        # Each bucket's integer inputs live in one buffer of its own (`ints[t]`, laid out as `_layout`
+        # says), so that a replay writes all of them, padding included, from one host array of the
+        # bucket's size in one copy (`static_batch`). A draft's input hidden states (copied from the
+        # device) share one buffer across buckets.
+        self.ints = {b: torch.zeros(sum(n for _, n in self._layout(b).values()), dtype=torch.int64, device=dev)
+                     for b in self.buckets}
+        self._fields = {b: {k: self.ints[b][a : a + n] for k, (a, n) in self._layout(b).items()} for b in self.buckets}
+        for f in self._fields.values():
+            f["rpi"].fill_(self.pad_row)
+        self.hidden_in = torch.zeros(self.buckets[-1], hidden_size, dtype=dtype, device=dev) if hidden_size else None
         self._views: dict[int, ForwardBatch] = {}
         self.caps: dict[int, Capture[RowMeta, ForwardOutput]] = {}
         self.stats = GraphStats()
         self._emu: dict[int, ForwardOutput] = {}  # emulated replays' outputs, per bucket (see `held_output`)
 
     # --- shapes -------------------------------------------------------------------------------
+    def _layout(self, t: int) -> dict[str, tuple[int, int]]:
+        """(offset, length) of each field in bucket t's `ints`: the token rows', then the request slots'
+        (`meta`: per slot the KV length after the forward, the first query row, the rows; zero rows for
+        a pad request)."""
+        r = self.slots(t)
+        sizes = {"input_ids": t, "positions": t, "out_cache_loc": t, "rpi": r, "logit_rows": r, "meta": 3 * r}
+        out, o = {}, 0
+        for k, n in sizes.items():
+            out[k] = (o, n)
+            o += n
+        return out
+
     def slots(self, tokens: int) -> int:
         """Request slots of the bucket of `tokens` tokens (a request has at least one token)."""
         return min(tokens, self.max_reqs)
@@ -99,19 +109,24 @@ class ExtendGraphRunner:
     def bucket(self, tokens: int, bs: int) -> int | None:
         return next((b for b in self.buckets if b >= tokens and self.slots(b) >= bs), None)
 
+    def fields(self, t: int) -> dict[str, torch.Tensor]:
+        """Bucket t's input buffers by name (views of `ints[t]`; `meta` is [3, slots])."""
+        f = self._fields[t]
+        return {**f, "meta": f["meta"].view(3, self.slots(t))}
+
     def view(self, t: int) -> ForwardBatch:
-        """Bucket t's batch view over the fixed buffers (one object per bucket, so a graph captured on
+        """Bucket t's batch view over its fixed buffers (one object per bucket, so a graph captured on
         it reads the same addresses at every replay), with the bucket's row metadata."""
         v = self._views.get(t)
         if v is None:
-            r = self.slots(t)
+            f = self.fields(t)
+            meta = f["meta"]
             v = ForwardBatch(
-                mode=ForwardMode.EXTEND, input_ids=self.buf["input_ids"][:t], positions=self.buf["positions"][:t],
-                out_cache_loc=self.buf["out_cache_loc"][:t], req_pool_indices=self.rpi[:r],
-                seq_lens=self.meta[0, :r], extend_lens=[0] * r, prefix_lens=[0] * r, logit_rows=self.logit_rows[:r],
-                binding=self.runner.binding, hidden_in=self.buf["hidden_in"][:t] if "hidden_in" in self.buf else None,
-                max_seq_len=0, graph_bs=t, extend_start=self.meta[1, :r], extend_lens_t=self.meta[2, :r],
-                max_extend=t)
+                mode=ForwardMode.EXTEND, input_ids=f["input_ids"], positions=f["positions"],
+                out_cache_loc=f["out_cache_loc"], req_pool_indices=f["rpi"], seq_lens=meta[0],
+                extend_lens=[0] * self.slots(t), prefix_lens=[0] * self.slots(t), logit_rows=f["logit_rows"],
+                binding=self.runner.binding, hidden_in=self.hidden_in[:t] if self.hidden_in is not None else None,
+                max_seq_len=0, graph_bs=t, extend_start=meta[1], extend_lens_t=meta[2], max_extend=t)
             v = self._views[t] = dataclasses.replace(v, row_meta=self.rule(t))
         return v
 
@@ -120,37 +135,53 @@ class ExtendGraphRunner:
         return row_meta(ForwardMode.EXTEND, self.slots(t), num_tokens=t, tp_size=self.tp_size, layout=self.layout)
 
     def static_batch(self, batch: ForwardBatch | None, t: int) -> ForwardBatch:
-        """Copy a live batch (None at capture: all padding) into the buffers, padded to bucket t."""
+        """Copy a live batch (None at capture: all padding) into the buffers, padded to bucket t.
+
+        The bucket's integer buffer is written whole from one host array in one non-blocking copy: the batch's
+        host values where `build_batch` left them (`ForwardBatch.host`), padding everywhere else (token
+        rows on position 0 and slot 0, request slots on the pad row with no rows). Only what the host
+        does not hold follows as a device copy each: the KV slots (gathered on the device from the
+        request-to-token map), and a field replaced since the batch was built (a draft's input ids),
+        and a draft's hidden states. On a GPU each small copy or fill costs the host a launch; this was
+        one per field and padding range before."""
         base = self.view(t)
         r = self.slots(t)
         n, bs = (batch.num_tokens, batch.bs) if batch is not None else (0, 0)
+        if batch is not None and self.hidden_in is not None and batch.hidden_in is None:
+            raise ValueError("a draft prefill batch without input hidden states")
+        out = np.zeros(self.ints[t].shape[0], dtype=np.int64)
+        v = {k: out[a : a + m] for k, (a, m) in self._layout(t).items()}
+        meta = v["meta"].reshape(3, r)
+        later: list[tuple[str, torch.Tensor]] = []  # (field, device tensor) copied after the packed copy
         if batch is not None:
-            if "hidden_in" in self.buf:
-                if batch.hidden_in is None:
-                    raise ValueError("a draft prefill batch without input hidden states")
-                self.buf["hidden_in"][:n].copy_(batch.hidden_in)
-            for k in ("input_ids", "positions", "out_cache_loc"):
-                self.buf[k][:n].copy_(getattr(batch, k))
-            self.rpi[:bs].copy_(batch.req_pool_indices)
-            self.logit_rows[:bs].copy_(batch.logit_rows)
-        # Padding: tokens n.._hi (what an earlier, larger batch left live) back to position 0 / slot 0.
-        if self._hi > n:
-            for k in ("input_ids", "positions", "out_cache_loc"):
-                self.buf[k][n : self._hi].zero_()
-        self._hi = n
-        self.rpi[bs:r].fill_(self.pad_row)
-        self.logit_rows[bs:r].zero_()
-        # A fresh host tensor each time (a pageable copy): a reused pinned one could be rewritten before
-        # an earlier replay's copy of it ran.
-        seq, start, lens = [0] * r, [n] * r, [0] * r
-        if batch is not None:
-            s = 0
-            for i, (p, e) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
-                seq[i], start[i], lens[i] = p + e, s, e
-                s += e
-        self.meta[:, :r].copy_(torch.tensor([seq, start, lens], dtype=torch.int64), non_blocking=True)
+            h = batch.host
+            for k, dev, dst in (("input_ids", batch.input_ids, v["input_ids"][:n]),
+                                ("positions", batch.positions, v["positions"][:n]),
+                                ("req_pool_indices", batch.req_pool_indices, v["rpi"][:bs]),
+                                ("logit_rows", batch.logit_rows, v["logit_rows"][:bs])):
+                got = h.get(k, dev) if h is not None else None
+                if got is None:
+                    later.append((k, dev))
+                else:
+                    dst[:] = got
+            later.append(("out_cache_loc", batch.out_cache_loc))
+            ext = np.asarray(batch.extend_lens, dtype=np.int64)
+            meta[0, :bs] = np.asarray(batch.prefix_lens, dtype=np.int64) + ext
+            meta[1, :bs] = np.cumsum(ext) - ext
+            meta[2, :bs] = ext
+        v["rpi"][bs:] = self.pad_row
+        meta[1, bs:] = n  # padding requests start after the live rows, with none
+        self.ints[t].copy_(torch.from_numpy(out), non_blocking=True)
+        f = self._fields[t]
+        into = {"input_ids": f["input_ids"][:n], "positions": f["positions"][:n], "out_cache_loc": f["out_cache_loc"][:n],
+                "req_pool_indices": f["rpi"][:bs], "logit_rows": f["logit_rows"][:bs]}
+        for k, dev in later:
+            into[k].copy_(dev)
         if batch is None:
             return base
+        if self.hidden_in is not None:
+            assert batch.hidden_in is not None  # (checked above, before anything was written)
+            self.hidden_in[:n].copy_(batch.hidden_in)
         pad = [0] * (r - bs)
         return dataclasses.replace(base, extend_lens=list(batch.extend_lens) + pad,
                                    prefix_lens=list(batch.prefix_lens) + pad, rids=batch.rids,

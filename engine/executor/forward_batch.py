@@ -153,6 +153,20 @@ def row_meta(mode: ForwardMode, bs: int, width: int = 1, *, pruned: bool = False
 
 
 @dataclass(frozen=True, eq=False)
+class HostArrays:
+    """What `build_batch` computed on the host, each beside the device tensor it became: a prefill graph
+    packs its fixed buffers from these in one copy instead of a device copy per field. A value is used
+    only while the batch still holds that very tensor (`get`), so a field replaced since (a draft's
+    input ids, say) is copied from the device as before."""
+
+    fields: dict[str, tuple[np.ndarray, torch.Tensor]]
+
+    def get(self, name: str, dev: torch.Tensor) -> np.ndarray | None:
+        got = self.fields.get(name)
+        return got[0] if got is not None and got[1] is dev else None
+
+
+@dataclass(frozen=True, eq=False)
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T]
@@ -184,6 +198,7 @@ class ForwardBatch:
     extend_start: torch.Tensor | None = None
     extend_lens_t: torch.Tensor | None = None
     max_extend: int = 0
+    host: HostArrays | None = None  # `build_batch`'s host values (None for a device-built view)
 
     @property
     def expected_logit_rows(self) -> int:
@@ -253,6 +268,9 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     pos_d, row_req_d, rpi_d, seq_d, rows_d, *rest = torch.from_numpy(np.concatenate(host)).to(
         device, non_blocking=True).split_with_sizes([t.size for t in host])
     ids_d = rest[0] if on_host else input_ids.to(device, non_blocking=True)  # type: ignore[union-attr]
+    kept = {"positions": (pos, pos_d), "req_pool_indices": (rpi, rpi_d), "logit_rows": (rows, rows_d)}
+    if on_host:
+        kept["input_ids"] = (host[-1], ids_d)
     if req_to_token.device == pos_d.device:
         loc = req_to_token[row_req_d, pos_d]
     else:
@@ -263,7 +281,7 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
         req_pool_indices=rpi_d, seq_lens=seq_d,
         extend_lens=list(extend_lens), prefix_lens=list(prefix_lens), logit_rows=rows_d,
         width=width, rids=rids, all_logit_rows=all_logit_rows, pruned=pruned_rows is not None,
-        max_seq_len=max((p + e for p, e in zip(prefix_lens, extend_lens)), default=0),
+        max_seq_len=max((p + e for p, e in zip(prefix_lens, extend_lens)), default=0), host=HostArrays(kept),
     )
 
 

@@ -265,6 +265,72 @@ def test_prefill_graphs_replay_equals_eager_at_every_token_bucket(draft: str) ->
     assert all_free(e)
 
 
+def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> None:
+    """A prefill graph's inputs, padding included, go over in one copy from the host values the batch
+    was built with, and the KV slots (gathered on the device) in a second; a draft runner's batch, whose
+    input ids and hidden states were replaced after it was built, copies those from the device too. A
+    smaller batch after a larger one in the same bucket leaves nothing of it: the rows past its own are
+    position 0 on slot 0, the request slots past its own the pad row with no rows (each bucket has its
+    own buffer, so the copy is the bucket's size)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mleagle.engine.executor.forward_batch import build_batch
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += 0 if func.is_view or func.overloadpacket.__name__ == "lift_fresh" else 1
+            return func(*args, **(kwargs or {}))
+
+    e = _engine("random:2", prefill_graph_max_tokens=64, max_total_tokens=4096)
+    for i in range(2):
+        e.add_request(f"a{i}", list(range(1 + i, 8 + i)), greedy(4))
+    e.step()
+    reqs = e.scheduler.running[:2]
+    for r in reqs:
+        assert e.mem.ensure(r, r.kv_len + 40)
+    target, draft = e.runners[0], e.runners[1]
+    g = target.extend_graphs
+
+    def batch(lens: list[int], rs: list) -> object:
+        ids = list(range(100, 100 + sum(lens)))
+        return build_batch(ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in rs],
+                           prefix_lens=[r.kv_len for r in rs], extend_lens=lens, req_to_token=e.worker.r2t)
+
+    big, small = target.bind(batch([30, 30], reqs)), target.bind(batch([40], reqs[1:]))
+    assert g.bucket(60, 2) == g.bucket(40, 1) == 64
+    g.static_batch(big, 64)
+    with Kernels() as k:
+        g.static_batch(small, 64)
+    assert k.n == 2, k.n  # the packed copy and the KV slots' copy
+    f = g.fields(64)
+    ids, pos, loc = (f[k] for k in ("input_ids", "positions", "out_cache_loc"))
+    assert ids[:40].tolist() == list(range(100, 140)) and not ids[40:].any()
+    assert torch.equal(pos[:40], small.positions) and not pos[40:].any()
+    assert torch.equal(loc[:40], small.out_cache_loc) and not loc[40:].any()
+    r = g.slots(64)
+    assert f["rpi"].tolist() == [reqs[1].req_pool_idx] + [g.pad_row] * (r - 1)
+    assert f["logit_rows"].tolist() == [39] + [0] * (r - 1)
+    assert f["meta"][:, :2].tolist() == [[reqs[1].kv_len + 40, 0], [0, 40], [40, 0]]
+    # A draft runner's batch as the speculative worker makes it: its ids and hidden states replaced.
+    hidden = int(getattr(draft.model, "hidden_in_size", 0))
+    d = dataclasses.replace(draft.bind(batch([40], reqs[1:])), input_ids=torch.arange(7, 47),
+                            hidden_in=torch.randn(40, hidden, dtype=e.dtype))
+    with Kernels() as k:
+        draft.extend_graphs.static_batch(d, 64)
+    assert k.n == 4, k.n  # the packed copy, then the ids, the KV slots and the hidden states
+    assert draft.extend_graphs.fields(64)["input_ids"][:40].tolist() == list(range(7, 47))
+    assert torch.equal(draft.extend_graphs.hidden_in[:40], d.hidden_in)
+    for i in range(2):
+        e.abort(f"a{i}")
+    while e.has_work():
+        e.step()
+    assert all_free(e)
+
+
 def test_prefill_graph_refuses_a_foreign_binding_and_counts_what_it_cannot_hold() -> None:
     from mleagle.engine.executor.forward_batch import build_batch
 
