@@ -251,6 +251,9 @@ def main() -> None:
                     help="cpu (default), or cuda: there the forward is a graph launch and the rest includes waiting "
                          "for the device, so the decode split reads differently; the lone arrival's parts say what "
                          "a first token's engine phase is made of")
+    ap.add_argument("--emulate-graphs", action="store_true",
+                    help="on the CPU, run every forward through the graph runners' buffers as a GPU would (`graph_emulate`): "
+                         "the op count then includes what filling them costs")
     ap.add_argument("--events", action="store_true",
                     help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
     ap.add_argument("--output", default=None)
@@ -263,6 +266,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     bss = [int(x) for x in a.batch_sizes.split(",")]
     over: dict[str, Any] = {"spec_policy": a.spec_policy} if a.draft != "none" else {}
+    if a.emulate_graphs:
+        over["graph_emulate"] = True
     e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss),
                max_total_tokens=a.pool_tokens or max(bss) * 400 + 1024,
                **over)
@@ -330,7 +335,7 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops}}
+               "events": a.events, "emulate_graphs": a.emulate_graphs, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 
