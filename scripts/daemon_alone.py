@@ -118,6 +118,7 @@ async def daemon_async(port: int, step_s: float, spin: bool, vary: bool, ready: 
     from mleagle.daemon.server import SRV, create_app
     from mleagle.engine.contract.channel import DaemonChannel
     from mleagle.engine.contract.config import load_config
+    from mleagle.engine.contract.gc_watch import freeze
     from mleagle.engine.contract.protocol import Ready, encode
     from mleagle.engine.contract.tokenizer import Tokenizer
 
@@ -147,6 +148,9 @@ async def daemon_async(port: int, step_s: float, spin: bool, vary: bool, ready: 
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    # What start-up built goes out of the collector's reach, as `mleagle serve` does once its engine is
+    # ready: a collection then walks what serving allocates, as it would there.
+    app[SRV].gc.frozen = freeze()
     ready.set()
     await asyncio.Event().wait()
 
