@@ -157,12 +157,13 @@ def rank_heads(model: nn.Module) -> tuple[int, int]:
 
 
 def build_runner(name: str, model: nn.Module, *, num_slots: int, head_dim: int, backend: str, max_reqs: int,
-                 max_context: int, dtype: torch.dtype, device: torch.device | str, page_size: int) -> ModelRunner:
+                 max_context: int, dtype: torch.dtype, device: torch.device | str, page_size: int,
+                 r2t: ReqToTokenPool | None = None) -> ModelRunner:
     """A runner with its own KV pool (this rank's KV heads for each of the model's attention layers,
-    `num_kv_layers`: the target's decoder layers or a draft step's blocks), request-to-token map and
-    attention backend."""
+    `num_kv_layers`: the target's decoder layers or a draft step's blocks), request-to-token map (`r2t`
+    where given: the draft runners' are made together, `ReqToTokenPool.stacked`) and attention backend."""
     hq, hk = rank_heads(model)
     layers: Any = model.num_kv_layers  # the target's decoder layers or a draft step's blocks
     pool = KVPool(name, int(layers), num_slots, hk, head_dim, dtype, device, page_size)
-    r2t = ReqToTokenPool(name, max_reqs, max_context, device)
+    r2t = r2t if r2t is not None else ReqToTokenPool(name, max_reqs, max_context, device)
     return ModelRunner(name, model, pool, r2t, create_backend(backend, pool, r2t, hq))

@@ -149,10 +149,17 @@ class MemoryManager:
             return
         slots = torch.from_numpy(page_slots(pages, self.page_size))
         there = slots
+        written: set[int] = set()
         for m in self.maps:  # every runner's map (the target's, each draft layer's) from one host copy
+            if m.group is not None and id(m.group) in written:  # its group was written whole (`ReqToTokenPool.stacked`)
+                continue
             if there.device != m.req_to_token.device:
                 there = slots.to(m.req_to_token.device, non_blocking=True)
-            m.req_to_token[req.req_pool_idx, start : start + len(slots)] = there
+            if m.group is not None:
+                written.add(id(m.group))
+                m.group[:, req.req_pool_idx, start : start + len(slots)] = there
+            else:
+                m.req_to_token[req.req_pool_idx, start : start + len(slots)] = there
 
     def release(self, req: HoldsKV, keep: list[int] | None = None) -> None:
         """Give back everything `req` holds. `keep` are the leading tokens whose KV is valid in every

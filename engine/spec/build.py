@@ -17,6 +17,7 @@ from mleagle.engine.errors import EngineInputError
 from mleagle.engine.executor.runner import ModelRunner, build_runner
 from mleagle.engine.layers.linear import tp_shape_errors
 from mleagle.engine.memory.manager import MemoryManager
+from mleagle.engine.memory.req_to_token import ReqToTokenPool
 from mleagle.engine.models.llama import LlamaForCausalLM
 from mleagle.engine.spec.checkpoint import load_draft, load_layer, parse_spec, random_layer_weights
 from mleagle.engine.spec.draft_model import DraftStack
@@ -83,11 +84,12 @@ def build_spec_worker(ecfg: EngineConfig, arch: ModelArch, model: LlamaForCausal
         load_layer(m, {k: v.to(dtype) for k, v in w.items()})
     stack.to(device).eval()
     pool, r2t = target.binding.kv_pool, target.binding.req_to_token
+    maps = ReqToTokenPool.stacked([f"draft{k}" for k in range(steps)], max_reqs, r2t.max_context, device)
     runners = []
     for k in range(steps):
         r = build_runner(f"draft{k}", stack.layers[k], num_slots=pool.num_slots, head_dim=darch.head_dim or 0,
                          backend=ecfg.attention_backend, max_reqs=max_reqs, max_context=r2t.max_context, dtype=dtype,
-                         device=device, page_size=ecfg.page_size)
+                         device=device, page_size=ecfg.page_size, r2t=maps[k])
         mem.add_map(r.binding.req_to_token)
         runners.append(r)
     worker = cls(target, runners, chain, steps, device, eos_ids, vocab=arch.vocab_size, max_reqs=max_reqs, **worker_kw)

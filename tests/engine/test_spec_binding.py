@@ -105,6 +105,40 @@ def test_pools_distinct_and_same_slot_space() -> None:
     assert all(m.req_to_token.shape == maps[0].req_to_token.shape for m in maps)
     e.generate(PROMPTS[:2], greedy(5))
     assert all(m.req_to_token.data_ptr() != maps[0].req_to_token.data_ptr() for m in maps[1:])
+    assert len({m.req_to_token.data_ptr() for m in maps}) == len(maps)
+
+
+def test_an_allocation_writes_the_draft_maps_in_one_operation() -> None:
+    """The draft runners' maps are slices of one tensor (still distinct tensors and objects): a request's
+    pages go into the target's map and all the draft maps in two writes, not one per runner, and every
+    map holds the same slots after."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mleagle.engine.core.request import Req
+
+    class Writes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += 0 if func.is_view else 1
+            return func(*args, **(kwargs or {}))
+
+    e = oracle_engine("random:3")
+    maps = [r.binding.req_to_token for r in e.runners]
+    group = maps[1].group
+    assert group is not None and maps[0].group is None and all(m.group is group for m in maps[1:])
+    req = Req("x", list(range(1, 40)), greedy(4), seed=0)
+    with Writes() as w:
+        assert e.mem.ensure(req, 39)
+    assert w.n == 2, w.n
+    row = req.req_pool_idx
+    want = maps[0].req_to_token[row, :39]
+    assert want.unique().numel() == 39
+    for m in maps[1:]:
+        assert torch.equal(m.req_to_token[row, :39], want), m.name
+    e.mem.release(req)
 
 
 @pytest.mark.parametrize("chain", [True, False])
