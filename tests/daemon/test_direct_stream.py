@@ -104,6 +104,17 @@ def text_of(e: dict[str, Any] | None) -> str:
     return (ch["delta"].get("content") if "delta" in ch else ch.get("text")) or ""
 
 
+async def started(eng: Scripted, s: aiohttp.ClientSession, first: int, k: int = 1) -> tuple[str, AsyncIterator[Any]]:
+    """A streamed chat request sent, the `k`-th the daemon submitted: its engine request id and its
+    events, read up to the first with text (the engine's first output, token `first`, sent)."""
+    req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
+    rid = (await eng.added(k))[k - 1]
+    eng.emit(out(rid, [first]))
+    it = sse_events((await req).content)
+    await first_text(it)
+    return rid, it
+
+
 async def first_text(it: AsyncIterator[Any]) -> list[Any]:
     """The events up to the first that carries text: the response is under way, its route waits."""
     events = [await it.__anext__()]
@@ -224,11 +235,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(eng: Scripted,
     while the callback meets a closed transport."""
     ids = tok.encode("one two three four", add_special_tokens=False)
     async with session() as s:
-        req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
-        rid = (await eng.added())[0]
-        eng.emit(out(rid, ids[:1]))
-        it = sse_events((await req).content)
-        await first_text(it)
+        rid, it = await started(eng, s, ids[0])
         eng.emit(*(out(rid, [i]) for i in ids[1:]))
         while "three" not in text_of(await it.__anext__()):
             pass
@@ -379,11 +386,7 @@ async def test_a_finished_request_leaves_nothing_for_the_collector(eng: Scripted
     try:
         async with session() as s:
             # streamed, through the callback, to its end
-            req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
-            rid = (await eng.added())[0]
-            eng.emit(out(rid, ids[:1]))
-            it = sse_events((await req).content)
-            await first_text(it)
+            rid, it = await started(eng, s, ids[0])
             eng.emit(*(out(rid, [i]) for i in ids[1:-1]), out(rid, ids[-1:], True, "length"))
             assert [e async for e in it][-1] is None
             # n=2, and a whole (unstreamed) response
@@ -396,11 +399,7 @@ async def test_a_finished_request_leaves_nothing_for_the_collector(eng: Scripted
             eng.emit(out(c, ids, True, "length"))
             assert (await (await req).json())["choices"][0]["text"] == tok.decode(ids)
             # a client that leaves mid-stream
-            req = asyncio.ensure_future(s.post(eng.url + "/v1/chat/completions", json=chat()))
-            d = (await eng.added(5))[4]
-            eng.emit(out(d, ids[:1]))
-            it = sse_events((await req).content)
-            await first_text(it)
+            d, it = await started(eng, s, ids[0], k=5)
             eng.emit(out(d, ids[1:2]))
             await it.__anext__()
         for _ in range(1000):  # the last route learns that its client left
