@@ -298,7 +298,8 @@ def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> N
     def batch(lens: list[int], rs: list) -> object:
         ids = list(range(100, 100 + sum(lens)))
         return build_batch(ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in rs],
-                           prefix_lens=[r.kv_len for r in rs], extend_lens=lens, req_to_token=e.worker.r2t)
+                           prefix_lens=[r.kv_len for r in rs], extend_lens=lens, req_to_token=e.worker.r2t,
+                           device=e.device)
 
     big, small = target.bind(batch([30, 30], reqs)), target.bind(batch([40], reqs[1:]))
     assert g.bucket(60, 2) == g.bucket(40, 1) == 64
@@ -317,8 +318,8 @@ def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> N
     assert f["meta"][:, :2].tolist() == [[reqs[1].kv_len + 40, 0], [0, 40], [40, 0]]
     # A draft runner's batch as the speculative worker makes it: its ids and hidden states replaced.
     hidden = int(getattr(draft.model, "hidden_in_size", 0))
-    d = dataclasses.replace(draft.bind(batch([40], reqs[1:])), input_ids=torch.arange(7, 47),
-                            hidden_in=torch.randn(40, hidden, dtype=e.dtype))
+    d = dataclasses.replace(draft.bind(batch([40], reqs[1:])), input_ids=torch.arange(7, 47, device=e.device),
+                            hidden_in=torch.randn(40, hidden, dtype=e.dtype, device=e.device))
     with Kernels() as k:
         draft.extend_graphs.static_batch(d, 64)
     assert k.n == 4, k.n  # the packed copy, then the ids, the KV slots and the hidden states

@@ -122,7 +122,7 @@ def test_an_allocation_writes_the_draft_maps_in_one_operation() -> None:
             self.n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.n += 0 if func.is_view else 1
+            self.n += func.overloadpacket.__name__ == "copy_"  # writes into a map (a GPU's upload is `_to_copy`)
             return func(*args, **(kwargs or {}))
 
     e = oracle_engine("random:3")
