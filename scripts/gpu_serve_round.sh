@@ -5,7 +5,8 @@
 #   scripts/gpu_serve_round.sh OUT [--repeats N] [--concurrency LIST] [--requests-per-concurrency N]
 #                              [--skip tests,matrix,alone,host]
 #
-#   1. OUT/gpu_tests.log: the GPU tests of graphs, kernels, the engine loop and the policy;
+#   1. OUT/gpu_tests.log: the GPU tests of graphs, kernels, the engine loop and the policy, and the
+#      graph runners', slot state's, binding's and mixed steps' tests on this device (real CUDA graphs);
 #   2. OUT/serve_matrix.{json,md,log}: `bench serve-matrix` with arms target (`--draft none`), auto (the
 #      default config) and always (`--spec-policy always`), baseline target, N repeats (default 3) at
 #      concurrency 1,8,32,64, each server fresh, 16 warm-up requests; the JSON holds per run the TTFT
@@ -47,6 +48,8 @@ if ! skip tests; then
   echo "[round] GPU tests"
   "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_gpu_graphs.py tests/engine/test_kernels_gpu.py \
     tests/engine/test_engine_loop.py tests/daemon/test_channel.py tests/engine/test_spec_policy.py \
+    tests/engine/test_graph_runner.py tests/engine/test_slot_state.py tests/engine/test_spec_binding.py \
+    tests/engine/test_overlap.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 5
 fi
 if ! skip matrix; then
