@@ -444,3 +444,29 @@ def check_fill_buckets(e: Engine) -> int:
     while e.has_work():
         e.step()
     return checked
+
+
+class OpCount:
+    """Counts the torch operations dispatched inside `with OpCount(which) as c:` that `which(func)` picks
+    (views never count: they launch nothing); `c.n` after. Each one is a launch on a GPU's host."""
+
+    def __init__(self, which: Callable[[Any], bool]) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                outer.n += not func.is_view and which(func)
+                return func(*args, **(kwargs or {}))
+
+        self.n = 0
+        self._mode = _Mode()
+
+    def __enter__(self) -> OpCount:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+

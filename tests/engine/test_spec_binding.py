@@ -112,25 +112,15 @@ def test_an_allocation_writes_the_draft_maps_in_one_operation() -> None:
     """The draft runners' maps are slices of one tensor (still distinct tensors and objects): a request's
     pages go into the target's map and all the draft maps in two writes, not one per runner, and every
     map holds the same slots after."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from mleagle.engine.core.request import Req
-
-    class Writes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.n += func.overloadpacket.__name__ == "copy_"  # writes into a map (a GPU's upload is `_to_copy`)
-            return func(*args, **(kwargs or {}))
+    from tests.spec_helpers import OpCount
 
     e = oracle_engine("random:3")
     maps = [r.binding.req_to_token for r in e.runners]
     group = maps[1].group
     assert group is not None and maps[0].group is None and all(m.group is group for m in maps[1:])
     req = Req("x", list(range(1, 40)), greedy(4), seed=0)
-    with Writes() as w:
+    with OpCount(lambda f: f.overloadpacket.__name__ == "copy_") as w:  # writes (a GPU's upload is `_to_copy`)
         assert e.mem.ensure(req, 39)
     assert w.n == 2, w.n
     row = req.req_pool_idx
