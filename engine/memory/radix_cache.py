@@ -80,11 +80,24 @@ class RadixCache:
         return ids[i] if self.page_size == 1 else tuple(ids[i : i + self.page_size])
 
     def _common(self, key: list[int], ids: list[int], i: int) -> int:
-        """Length of the common prefix of `key` and `ids[i:]`, rounded down to whole pages."""
+        """Length of the common prefix of `key` and `ids[i:]`, rounded down to whole pages. Compared by
+        list slices (C speed) and, where they differ, a binary search for the first mismatch: a match or
+        an insert walks a long conversation's whole history on the engine loop, and a Python loop per
+        token cost 220 µs for 4,000 tokens on the development VM."""
         n = min(len(key), len(ids) - i)
-        j = 0
-        while j < n and key[j] == ids[i + j]:
-            j += 1
+        if key[:n] == ids[i : i + n]:
+            j = n
+        else:
+            lo, hi = 0, n  # key[:lo] matches; the first mismatch is in [lo, hi)
+            while hi - lo > 16:
+                mid = (lo + hi) // 2
+                if key[lo:mid] == ids[i + lo : i + mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            j = lo
+            while j < hi and key[j] == ids[i + j]:
+                j += 1
         return j - j % self.page_size
 
     def _split(self, child: Node, m: int) -> Node:

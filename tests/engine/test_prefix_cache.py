@@ -71,6 +71,28 @@ def _fill(c: RadixCache, seq: list[int], truth: dict[int, tuple[int, ...]]) -> i
     return present * p
 
 
+@pytest.mark.parametrize("page", [1, 2, 4])
+def test_common_prefix_equals_the_token_by_token_count(page: int) -> None:
+    """`_common` (slice compares and a binary search for the first mismatch) gives the common prefix a
+    token-by-token walk gives, rounded down to whole pages: equal keys, a mismatch anywhere (first
+    token, inside the search's last 16, past them), `ids` shorter or longer than the key, an offset."""
+    c = RadixCache(SlotAllocator(64, page_size=page))
+    rng = random.Random(page)
+    for _ in range(2000):
+        key = [rng.randrange(3) for _ in range(rng.randint(1, 200))]
+        ids = [rng.randrange(3) for _ in range(rng.randint(0, 5))] + key[: rng.randint(0, len(key))]
+        if rng.random() < 0.7 and len(ids) > 5:
+            k = rng.randrange(5, len(ids))
+            ids[k] = 3  # a token the key never has: the mismatch is there (or earlier)
+        ids += [rng.randrange(3) for _ in range(rng.randint(0, 30))]
+        i = rng.randint(0, 5) if len(ids) > 5 else 0
+        n = min(len(key), len(ids) - i)
+        j = 0
+        while j < n and key[j] == ids[i + j]:
+            j += 1
+        assert c._common(key, ids, i) == j - j % page, (key, ids, i)
+
+
 def test_match_insert_split() -> None:
     c = RadixCache(SlotAllocator(64))
     truth: dict[int, tuple[int, ...]] = {}
