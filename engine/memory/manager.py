@@ -135,12 +135,12 @@ class MemoryManager:
             return False
         for f in self.on_alloc:
             f(pages)
-        if req.req_pool_idx is None:
+        start = len(req.pages) * self.page_size
+        req.pages.extend(pages)
+        if req.req_pool_idx is None:  # a new request: its cached prefix's pages and the new ones in one write
             req.req_pool_idx = self.free_reqs.pop()
-            self._write(req, 0, req.pages)  # a cached prefix's pages
-        if pages:
-            start = len(req.pages) * self.page_size
-            req.pages.extend(pages)
+            self._write(req, 0, req.pages)
+        elif pages:
             self._write(req, start, pages)
         return True
 
