@@ -148,18 +148,19 @@ class MemoryManager:
         if not pages:
             return
         slots = torch.from_numpy(page_slots(pages, self.page_size))
-        there = slots
+        row, end = req.req_pool_idx, start + len(slots)
+        there: torch.Tensor | None = None  # the slots on the device, for a group's broadcast write
         written: set[int] = set()
-        for m in self.maps:  # every runner's map (the target's, each draft layer's) from one host copy
-            if m.group is not None and id(m.group) in written:  # its group was written whole (`ReqToTokenPool.stacked`)
+        for m in self.maps:  # every runner's map (the target's, each draft layer's) from one host array
+            if m.group is None:  # a row's slice: straight from the host, one copy (no upload, then a copy)
+                m.req_to_token[row, start:end].copy_(slots, non_blocking=True)
                 continue
-            if there.device != m.req_to_token.device:
-                there = slots.to(m.req_to_token.device, non_blocking=True)
-            if m.group is not None:
-                written.add(id(m.group))
-                m.group[:, req.req_pool_idx, start : start + len(slots)] = there
-            else:
-                m.req_to_token[req.req_pool_idx, start : start + len(slots)] = there
+            if id(m.group) in written:  # its group was written whole (`ReqToTokenPool.stacked`)
+                continue
+            written.add(id(m.group))
+            if there is None or there.device != m.group.device:
+                there = slots.to(m.group.device, non_blocking=True)
+            m.group[:, row, start:end] = there
 
     def release(self, req: HoldsKV, keep: list[int] | None = None) -> None:
         """Give back everything `req` holds. `keep` are the leading tokens whose KV is valid in every

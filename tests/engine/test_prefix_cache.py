@@ -375,8 +375,9 @@ def test_prompt_logprobs_compute_the_whole_prompt() -> None:
 
 def test_a_hit_writes_its_map_row_in_one_copy() -> None:
     """A new request that starts on a cached prefix gets its map row (the prefix's pages and its new
-    ones) in one write, not one for the prefix and one for the rest: on a GPU each is a launch, and most
-    served arrivals hit (a shared system prompt, a conversation's history)."""
+    ones) in one write, not one for the prefix and one for the rest, and from the host straight into the
+    row (not an upload and then a device copy): on a GPU each is a launch, and most served arrivals hit
+    (a shared system prompt, a conversation's history)."""
     from mleagle.engine.core.request import Req
     from mleagle.engine.memory.manager import page_slots
     from tests.spec_helpers import OpCount
@@ -386,9 +387,9 @@ def test_a_hit_writes_its_map_row_in_one_copy() -> None:
     run(e, [prompt], greedy(2))  # its KV is cached as it ends
     req = Req("b", prompt[:32] + [99] * 8, greedy(2), seed=0)
     assert e.mem.match(req, req.prompt_ids[:39]) >= 30
-    with OpCount(lambda f: f.overloadpacket.__name__ == "copy_") as w:
+    with OpCount(lambda f: f.overloadpacket.__name__ in ("copy_", "_to_copy")) as w:  # writes and uploads
         assert e.mem.ensure(req, 40)
-    assert w.n == 1, w.n
+    assert w.n == 1, w.n  # (on a GPU too: the host's slots go straight into the row)
     row = e.mem.maps[0].req_to_token[req.req_pool_idx, :40]
     assert row.tolist() == page_slots(req.pages, e.mem.page_size, 40).tolist()
     e.mem.release(req)
