@@ -78,9 +78,10 @@ class ExtendGraphRunner:
         # says), so that a replay writes all of them, padding included, from one host array of the
         # bucket's size in one copy (`static_batch`). A draft's input hidden states (copied from the
         # device) share one buffer across buckets.
-        self.ints = {b: torch.zeros(sum(n for _, n in self._layout(b).values()), dtype=torch.int64, device=dev)
-                     for b in self.buckets}
-        self._fields = {b: {k: self.ints[b][a : a + n] for k, (a, n) in self._layout(b).items()} for b in self.buckets}
+        self._layouts = {b: self._layout(b) for b in self.buckets}
+        self.ints = {b: torch.zeros(sum(n for _, n in lay.values()), dtype=torch.int64, device=dev)
+                     for b, lay in self._layouts.items()}
+        self._fields = {b: {k: self.ints[b][a : a + n] for k, (a, n) in lay.items()} for b, lay in self._layouts.items()}
         for f in self._fields.values():
             f["rpi"].fill_(self.pad_row)
         self.hidden_in = torch.zeros(self.buckets[-1], hidden_size, dtype=dtype, device=dev) if hidden_size else None
@@ -150,21 +151,23 @@ class ExtendGraphRunner:
         if batch is not None and self.hidden_in is not None and batch.hidden_in is None:
             raise ValueError("a draft prefill batch without input hidden states")
         out = np.zeros(self.ints[t].shape[0], dtype=np.int64)
-        v = {k: out[a : a + m] for k, (a, m) in self._layout(t).items()}
+        v = {k: out[a : a + m] for k, (a, m) in self._layouts[t].items()}
         meta = v["meta"].reshape(3, r)
-        later: list[tuple[str, torch.Tensor]] = []  # (field, device tensor) copied after the packed copy
+        f = self._fields[t]
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, device tensor) copied after the packed copy
         if batch is not None:
             h = batch.host
-            for k, dev, dst in (("input_ids", batch.input_ids, v["input_ids"][:n]),
-                                ("positions", batch.positions, v["positions"][:n]),
-                                ("req_pool_indices", batch.req_pool_indices, v["rpi"][:bs]),
-                                ("logit_rows", batch.logit_rows, v["logit_rows"][:bs])):
+            # (the host value's name, the batch's tensor, the buffer it goes to, its rows)
+            for k, dev, name, m in (("input_ids", batch.input_ids, "input_ids", n),
+                                    ("positions", batch.positions, "positions", n),
+                                    ("req_pool_indices", batch.req_pool_indices, "rpi", bs),
+                                    ("logit_rows", batch.logit_rows, "logit_rows", bs)):
                 got = h.get(k, dev) if h is not None else None
                 if got is None:
-                    later.append((k, dev))
+                    later.append((f[name][:m], dev))
                 else:
-                    dst[:] = got
-            later.append(("out_cache_loc", batch.out_cache_loc))
+                    v[name][:m] = got
+            later.append((f["out_cache_loc"][:n], batch.out_cache_loc))
             ext = np.asarray(batch.extend_lens, dtype=np.int64)
             meta[0, :bs] = np.asarray(batch.prefix_lens, dtype=np.int64) + ext
             meta[1, :bs] = np.cumsum(ext) - ext
@@ -172,11 +175,8 @@ class ExtendGraphRunner:
         v["rpi"][bs:] = self.pad_row
         meta[1, bs:] = n  # padding requests start after the live rows, with none
         self.ints[t].copy_(torch.from_numpy(out), non_blocking=True)
-        f = self._fields[t]
-        into = {"input_ids": f["input_ids"][:n], "positions": f["positions"][:n], "out_cache_loc": f["out_cache_loc"][:n],
-                "req_pool_indices": f["rpi"][:bs], "logit_rows": f["logit_rows"][:bs]}
-        for k, dev in later:
-            into[k].copy_(dev)
+        for dst, src in later:
+            dst.copy_(src)
         if batch is None:
             return base
         if self.hidden_in is not None:

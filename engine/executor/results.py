@@ -161,9 +161,13 @@ def pack(tokens: torch.Tensor, n_emit: torch.Tensor, lp: tuple[torch.Tensor, tor
 
 
 def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
-    """Per request: the emitted tokens, and their logprobs where the request asked for them."""
+    """Per request: the emitted tokens, and their logprobs where the request asked for them. A packed
+    result may also be the tokens alone (int64 [bs, W], every one emitted, no logprobs: a prefill's
+    first tokens, which need no pack)."""
     w = p.width
     rows = p.packed.tolist()
+    if p.packed.dtype == torch.int64:
+        return [([int(t) for t in row], None) for row in rows]
     if p.flags.logprobs < 0:  # no row asked for logprobs: tokens only
         return [([int(t) for t in row[: int(row[w])]], None) for _, row in zip(p.reqs, rows)]
     top_n = max(p.flags.logprobs, 0)

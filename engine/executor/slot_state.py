@@ -149,16 +149,9 @@ class SlotState:
         if self.steps and not all(p.greedy for p in ps) and self.draft_q is None:
             self.draft_q = torch.zeros(self.pad_row + 1, self.steps, v, dtype=torch.float32, device=self.device)
 
-    def set_kv_len(self, reqs: Sequence[Req]) -> None:
-        if reqs:  # the rows and their lengths in one copy
-            idx, kv = torch.tensor([[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]],
-                                   dtype=torch.int64).to(self.device, non_blocking=True)
-            self.set_kv_len_rows(idx, kv)
-
-    def set_kv_len_rows(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    def set_kv_len(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """The KV lengths of `rows` (both on the device already: a prefill copies them with its other inputs)."""
-        if rows.numel():
-            self.kv_len.index_copy_(0, rows, kv_lens)
+        self.kv_len.index_copy_(0, rows, kv_lens)
 
     # --- per batch -----------------------------------------------------------------------------
     def flags(self, rows: Sequence[int], reqs: Sequence[Req] | None = None) -> RowFlags:

@@ -438,7 +438,7 @@ class TargetWorker:
                                  [reqs[i].req_pool_idx for i in first], [last_rows[i] for i in first]]  # type: ignore[misc]
         kv_rows, kv_lens, rpi, rows_t = torch.tensor([x for h in host for x in h], dtype=torch.int64).to(
             self.device, non_blocking=True).split_with_sizes([len(h) for h in host])
-        self.state.set_kv_len_rows(kv_rows, kv_lens)
+        self.state.set_kv_len(kv_rows, kv_lens)
         if first:
             fr = [reqs[i] for i in first]
             # Each request's last row in order (no prompt logprobs): those rows as they are, no gather.
@@ -454,7 +454,7 @@ class TargetWorker:
             # The first tokens travel back like an iteration's results, and are read by `settle_prefill`
             # when the scheduler applies the step: reading them here would wait for the iteration in flight
             # and this prefill before the next iteration is even launched (the GPU would idle meanwhile).
-            # Without logprobs the tokens themselves are the result (one per request): no packing.
+            # Without logprobs the tokens themselves are the result (`unpack` reads them as they are).
             packed = tok.view(-1, 1) if lp is None else pack(tok.view(-1, 1), torch.ones_like(tok), lp, 1)
             p = self._copy_back(fr, 1, flags, packed, Timer(self.device))
             self._first = (p, [results[i] for i in first])
@@ -470,13 +470,9 @@ class TargetWorker:
         p, results = first
         if p.done is not None:
             p.done.synchronize()
-        if p.packed.dtype == torch.int64:  # the tokens alone (no logprobs asked): one per request
-            for res, t in zip(results, p.packed.view(-1).tolist()):
-                res.tokens = [t]
-        else:
-            for res, (toks, lps) in zip(results, unpack(p)):
-                res.tokens = toks
-                res.logprobs = lps
+        for res, (toks, lps) in zip(results, unpack(p)):
+            res.tokens = toks
+            res.logprobs = lps
         _attach_cuts(results, p.cuts)
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
