@@ -131,7 +131,9 @@ def count_ops(e: Any) -> dict[str, dict[str, int]]:
     pages` is inside `schedule`) and the forward: `kernels` (every operation that computes or copies;
     on a GPU each is a launch or a copy the host pays for) and `views` (host-only: no launch), and
     `host tensors` (built from Python values or numpy arrays: on a GPU each one the step uses goes
-    over in a host-to-device copy, a `kernels` entry there but not on the CPU). A regression guard that needs no GPU to read."""
+    over in a host-to-device copy, a `kernels` entry there but not on the CPU). Counted on the CPU, it
+    moves only when the code does."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mleagle.engine.contract.sampling_params import SamplingParams
@@ -151,8 +153,6 @@ def count_ops(e: Any) -> dict[str, dict[str, int]]:
     rng = random.Random(11)
     e.add_request("count-ops", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)],
                   SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-    import torch
-
     from_numpy = torch.from_numpy
 
     def counted_from_numpy(a: Any) -> Any:  # not a dispatched operation, but a host tensor as `lift_fresh` is
@@ -186,7 +186,7 @@ def fill_cache(e: Any, rng: random.Random) -> int:
         while e.has_work():
             e.step()
         i += 1
-    return sum(1 for _ in e.mem.cache.nodes())
+    return sum(1 for _ in e.mem.cache.nodes())  # (counted, not `num_nodes`: older trees are measured too)
 
 
 def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: int = 7) -> dict[str, Any]:
