@@ -75,6 +75,9 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     # serving path's (sending outputs, state events, the daemon's messages) rather than steps.
     ("engine_busy", ("server", "engine_loop", "busy_share"), "engine loop busy"),
     ("engine_step_share", ("server", "engine_loop", "step_share"), "engine step share"),
+    # The part of the steps the host spent blocked on the device (a GPU's result copies): near the step
+    # share the device is the limit, near 0 the host is.
+    ("engine_wait_share", ("server", "engine_loop", "device_wait_share"), "engine device wait share"),
     # What the speculation ran: its mean draft depth per decode iteration (the policy's mix of S') and
     # the accept length of its verifies; "-" for a target-only server.
     ("mean_depth", ("server", "spec", "mean_depth"), "mean depth"),

@@ -277,7 +277,9 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
     own time let a very short run read over 1). `step` is `engine.step()` (scheduling,
     the forwards, the host work around them; the telemetry hooks are inside it, `telemetry` says how
     much), `send_outputs` encoding and sending each step's outputs, `pump` the state events, `messages`
-    the daemon's requests (answering its pings included: `pong` is that part). What is left of 1.0 is
+    the daemon's requests (answering its pings included: `pong` is that part), and inside `step` the time
+    blocked on the device (`device_wait`: on a GPU, near `step` means the device is the limit, near 0
+    the host is). What is left of 1.0 is
     the loop idle or polling: where the served figure falls short of the offline one with the loop near
     1.0, the engine process is the limit."""
     if not before or not after or dur <= 0:
@@ -561,6 +563,7 @@ def table(res: dict[str, Any]) -> str:
         lp = srv.get("engine_loop")
         if lp:
             parts = ", ".join(f"{k} {100 * lp.get(k + '_share', 0.0):.0f} %" for k in ("step", "send_outputs", "pump", "messages"))
+            parts += f"; of the steps, waiting for the device {100 * lp.get('device_wait_share', 0.0):.0f} %"
             lines.append(f"{'engine loop busy':<28}{100 * lp['busy_share']:.0f} % of the run ({parts}; {lp['steps']} steps)")
         sp = srv.get("spec")
         if sp and sp["iterations"]:

@@ -46,6 +46,7 @@ from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler, StepReport
 from mleagle.engine.distributed import LOCAL, TPGroup, current
 from mleagle.engine.errors import EngineInputError
+from mleagle.engine.executor.results import device_wait
 from mleagle.engine.executor.runner import ModelRunner, build_runner, rank_heads
 from mleagle.engine.executor.worker import GraphSettings, TargetWorker
 from mleagle.engine.kernels import set_fused_layers
@@ -513,7 +514,9 @@ class Engine:
                 "spec_policy": policy.snapshot() if policy is not None else None,
                 "mixed_steps": sch.num_mixed, "held_prefill_steps": sch.num_held,
                 "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
-                "cpu_packed_linear": self.packed_linear}
+                "cpu_packed_linear": self.packed_linear,
+                # host seconds blocked on the device since start (on a CPU engine, 0)
+                "device_wait_s": round(device_wait.seconds, 6)}
 
     def graph_counts(self) -> dict[str, Any]:
         """Per runner: graph replays (decode/verify/draft-extend shapes, and prefill by token bucket) and

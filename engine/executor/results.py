@@ -6,7 +6,9 @@ request (`pack`), so one non-blocking copy carries the whole iteration back; `Pe
 until the host waits for it, and `unpack` turns it into per-request tokens and logprobs. `FwdInfo`
 describes each forward with host values only (for the step report and the state events). These are
 the workers' data types, kept apart so the slot state and the spec bookkeeping can pack results
-without importing a worker.
+without importing a worker. `device_wait` counts the host's time blocked on those copies: where a
+served engine's loop spends its step time waiting for the device, the device is its limit; where it
+does not, the host is.
 """
 
 from __future__ import annotations
@@ -32,6 +34,22 @@ class StepResult:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     grammar_cut: tuple[int, str] | None = None  # a grammar took only the first n tokens, and why it ends
+
+
+class DeviceWait:
+    """Host seconds spent waiting for the device at the engine's sync points (a result copy's event),
+    since start: the engine reports it (`Engine.stats`) and `bench serve` sets it against the loop."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wait(self, ev: Any) -> None:
+        t0 = time.perf_counter()
+        ev.synchronize()
+        self.seconds += time.perf_counter() - t0
+
+
+device_wait = DeviceWait()  # one engine per process: the process's count
 
 
 class Timer:

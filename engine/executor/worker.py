@@ -53,6 +53,7 @@ from mleagle.engine.executor.results import (
     StepPlan,
     StepResult,
     Timer,
+    device_wait,
     pack,
     unpack,
 )
@@ -469,7 +470,7 @@ class TargetWorker:
             return
         p, results = first
         if p.done is not None:
-            p.done.synchronize()
+            device_wait.wait(p.done)
         for res, (toks, lps) in zip(results, unpack(p)):
             res.tokens = toks
             res.logprobs = lps
@@ -671,7 +672,7 @@ class TargetWorker:
         if p.deferred is not None:
             p.deferred()
         if p.done is not None:
-            p.done.synchronize()
+            device_wait.wait(p.done)
         self.inflight -= 1
         res = []
         for r, e, (toks, lps) in zip(p.reqs, p.epoch, unpack(p)):

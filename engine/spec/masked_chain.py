@@ -38,7 +38,7 @@ import torch
 from mleagle.engine.constrain.bitmask import apply_bitmask
 from mleagle.engine.executor.forward_batch import ForwardMode, RowMeta
 from mleagle.engine.executor.iteration_graph import IterationGraph, MaskedGraphs
-from mleagle.engine.executor.results import Pending, SplitLaunch, unpack
+from mleagle.engine.executor.results import Pending, SplitLaunch, device_wait, unpack
 from mleagle.engine.executor.worker import MASKED
 
 Body = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[RowMeta]]]
@@ -154,7 +154,7 @@ class MaskedChain:
         p = w._send(s.reqs, self.width, s.flags, packed, s.timer)  # the result on its way (its event)
         self.draft[0].run(rpi, bs)  # needs no mask: runs while the matchers take the accepted tokens
         if p.done is not None:
-            p.done.synchronize()
+            device_wait.wait(p.done)
         p.cuts = c.commit_rows([toks for toks, _ in unpack(p)])
         d: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         for k in range(self.steps):
@@ -188,7 +188,7 @@ class MaskedChain:
     @staticmethod
     def _read(d: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
         if d[1] is not None:
-            d[1].synchronize()
+            device_wait.wait(d[1])
         return d[0].tolist()
 
     def graphs(self, forward: IterationGraph) -> MaskedGraphs:

@@ -188,6 +188,31 @@ def test_overlap_scheduling_matches_and_frees() -> None:
     assert all_free(on) and all_free(off)
 
 
+def test_the_host_wait_for_the_device_is_counted() -> None:
+    """A step whose result waits behind tens of milliseconds of device work adds them to `device_wait_s`
+    (the loop's `device_wait` share in `bench serve`), and steps the device has finished add ~nothing."""
+    e = _engine()
+    e.add_request("a", PROMPTS[0], greedy(8))
+    e.step()  # the prefill
+    torch.cuda.synchronize()
+    w0 = e.stats()["device_wait_s"]
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # 20 float32 GEMMs of 137 GFLOP each: tens of milliseconds queued on the stream
+        x = x @ x / 64
+    e.step()  # launches behind the GEMMs; under overlap the wait is in the next step's finish
+    while e.has_work():
+        e.step()
+    waited = e.stats()["device_wait_s"] - w0
+    assert waited >= 0.02, waited
+    torch.cuda.synchronize()
+    w1 = e.stats()["device_wait_s"]
+    e.add_request("b", PROMPTS[1], greedy(1))
+    while e.has_work():
+        torch.cuda.synchronize()  # everything done before each step: its waits find the copies there
+        e.step()
+    assert e.stats()["device_wait_s"] - w1 < 0.03
+
+
 def test_the_warm_up_times_auto_at_every_batch_size_and_output_stays_exact() -> None:
     """On a GPU the warm-up's timing of `auto` covers every batch-size bucket up to the running limit
     within its default budget (graph replays take milliseconds), keeps only the timings, and the engine
