@@ -35,7 +35,11 @@ class SlotAllocator:
     def alloc(self, n_pages: int) -> list[int] | None:
         if n_pages > len(self.free_pages):
             return None
-        pages = [self.free_pages.pop() for _ in range(n_pages)]
+        # the last n of the free list, last first: the order popping them one at a time gives, in C
+        cut = len(self.free_pages) - n_pages
+        pages = self.free_pages[cut:]
+        pages.reverse()
+        del self.free_pages[cut:]
         for p in pages:
             self._is_free[p] = 0
         return pages

@@ -26,6 +26,9 @@ from mleagle.engine.memory.req_to_token import ReqToTokenPool
 def page_slots(pages: Sequence[int], page_size: int, n: int | None = None) -> np.ndarray:
     """The KV slots of positions 0..n-1 (all the pages' positions by default) of a request holding
     `pages`: position p lives in slot pages[p // page_size] * page_size + p % page_size."""
+    if page_size == 1:  # a page is a slot (the default): no index arithmetic, a third of the time
+        slots = np.asarray(pages, dtype=np.int64)
+        return slots if n is None else slots[:n]
     pos = np.arange(len(pages) * page_size if n is None else n)
     return np.asarray(pages, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -549,3 +550,18 @@ def test_disable_flag_on_serve_generate_and_bench() -> None:
     assert engine_overrides(generate_parser().parse_args(["--disable-prefix-cache"])) == {"enable_prefix_cache": False}
     assert "enable_prefix_cache" not in engine_overrides(generate_parser().parse_args([]))
     assert bench_parser().parse_args(["--disable-prefix-cache"]).disable_prefix_cache is True
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_page_slots_is_the_page_arithmetic(page_size: int) -> None:
+    """Position p of a request holding `pages` is slot pages[p // page_size] * page_size + p % page_size,
+    for every prefix length, on the page-is-a-slot path (page size 1) as on the others."""
+    from mleagle.engine.memory.manager import page_slots
+
+    rng = random.Random(page_size)
+    pages = rng.sample(range(1, 500), 9)
+    every = [pages[p // page_size] * page_size + p % page_size for p in range(len(pages) * page_size)]
+    assert page_slots(pages, page_size).tolist() == every
+    for n in range(len(every) + 1):
+        got = page_slots(pages, page_size, n)
+        assert got.dtype == np.int64 and got.tolist() == every[:n]
