@@ -99,7 +99,8 @@ class Req:
 
     @property
     def prefilling(self) -> bool:
-        return self.kv_len < self.prefill_len
+        n = len(self.prompt_ids) + len(self.output_ids)  # `prefill_len`, inline: asked of every request every step
+        return self.kv_len < (n - 1 if self.output_ids else n)
 
     @property
     def finished(self) -> bool:

@@ -255,8 +255,14 @@ class Scheduler:
     def _decode_ready(self, la: int) -> list[Req] | None:
         """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
         ready = [r for r in self.running if not r.prefilling]
+        mem = self.mem
+        span = mem.page_size
         for r in ready:
-            if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW):
+            # Its pages cover the step (most requests, most steps): `ensure`'s own first check, inline,
+            # as this runs for every running request every step.
+            if r.kv_len + la <= len(r.pages) * span and r.req_pool_idx is not None:
+                continue
+            if not mem.ensure(r, min(r.kv_len + la, mem.max_context), DECODE_GROW):
                 return None
         return ready
 
@@ -309,7 +315,9 @@ class Scheduler:
             ready = [r for r in self.running if not r.prefilling]
             if not ready:
                 return []
-            short = [r for r in ready if not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW)]
+            span = self.mem.page_size  # pages that cover the step need no `ensure` (see `_decode_ready`)
+            short = [r for r in ready if not (r.kv_len + la <= len(r.pages) * span and r.req_pool_idx is not None)
+                     and not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW)]
             if not short:
                 return ready
             # Preempt the newest request (LIFO) and try again; the oldest always gets to finish.
@@ -383,7 +391,7 @@ class Scheduler:
                         del req.output_ids[keep:]
                         del req.logprobs[keep:]
                         reason, matched = "stop", s
-            if reason is None and (n >= sp.max_new_tokens or req.fill_len >= self.max_context):
+            if reason is None and (n >= sp.max_new_tokens or len(req.prompt_ids) + n >= self.max_context):  # fill_len
                 reason = "length"
             if reason is not None:
                 # Tokens after the cut (later accepted drafts) are dropped: they were never emitted.

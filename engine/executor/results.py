@@ -187,6 +187,8 @@ def unpack(p: Pending) -> list[tuple[list[int], list[TokenLogprob] | None]]:
     if p.packed.dtype == torch.int64:
         return [([int(t) for t in row], None) for row in rows]
     if p.flags.logprobs < 0:  # no row asked for logprobs: tokens only
+        if w == 1:  # a decode step's row is [token, count]
+            return [([int(row[0])] if row[1] else [], None) for _, row in zip(p.reqs, rows)]
         return [([int(t) for t in row[: int(row[w])]], None) for _, row in zip(p.reqs, rows)]
     top_n = max(p.flags.logprobs, 0)
     res = []
