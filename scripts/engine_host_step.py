@@ -16,8 +16,9 @@ a time: the host time of each one's prefill step beside its forward (a served fi
 part), and that step in its parts (`PREFILL_PARTS`: scheduling with the KV pages, the slot-state
 rows, the batch, the forward, the first token's sampling, the wait for its copy, the rest), with the
 prefix cache empty at the start of each repeat, or with `--cache full` full of other prompts so that
-every arrival evicts (a server that has run a while; `--pool-tokens` sets the pool's size). Prints a
-table (median and range over the repeats) and writes JSON. `--device cuda` runs the same on a GPU
+every arrival evicts (a server that has run a while; `--pool-tokens` sets the pool's size). Last, the
+per-request host functions of a steady decode step at the largest batch, each in a hot loop
+(`bookkeeping`). Prints a table (median and range over the repeats) and writes JSON. `--device cuda` runs the same on a GPU
 (with its CUDA graphs): there a forward is a graph launch and the rest of a step includes waiting for
 the device, so the decode split reads differently, but the lone arrival's parts are what a first
 token's `prefill` phase is made of on that machine.
@@ -189,6 +190,49 @@ def fill_cache(e: Any, rng: random.Random) -> int:
     return sum(1 for _ in e.mem.cache.nodes())  # (counted, not `num_nodes`: older trees are measured too)
 
 
+def bookkeeping(e: Any, bs: int, n: int = 2000) -> dict[str, float]:
+    """The host functions a steady decode step runs over every running request, each timed in a hot loop
+    with `bs` requests decoding (microseconds a call): the KV check before a launch (`_decode_ready`),
+    the unpacking of one-token results (`unpack`), the scan for requests still in prefill, the step's
+    message to the daemon (`Outputs.of` + `encode`) and the record of a whole-iteration replay's
+    forwards (`replay_forwards`). Hot loops read lower than a served step's cold pass: they rank code,
+    not machines."""
+    import timeit
+
+    import torch
+
+    from mleagle.engine.contract.outputs import TokenOutput
+    from mleagle.engine.contract.protocol import Outputs, encode
+    from mleagle.engine.contract.sampling_params import SamplingParams
+    from mleagle.engine.executor.results import Pending, unpack
+    from mleagle.engine.sampling.processor import RowFlags
+
+    rng = random.Random(7)
+    for i in range(bs):
+        e.add_request(f"bk{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)],
+                      SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True))
+    s = e.scheduler
+    while s.waiting or any(r.prefilling for r in s.running):
+        e.step()
+    reqs = list(s.running)
+    packed = torch.tensor([[float(rng.randrange(1000)), 1.0] for _ in reqs], dtype=torch.float64)
+    p = Pending(reqs, 1, RowFlags(), packed, None, None, [r.epoch for r in reqs], [])
+    outs = [TokenOutput(r.rid, [5], len(r.prompt_ids), 1, 0) for r in reqs]
+    fns: dict[str, Any] = {
+        "decode ready": lambda: s._decode_ready(e.worker.lookahead),
+        "unpack": lambda: unpack(p),
+        "prefilling scan": lambda: [r for r in reqs if not r.prefilling],
+        "message": lambda: encode(Outputs.of(outs)),
+        "replay forwards": lambda: e.worker.replay_forwards(reqs, len(reqs)),
+    }
+    got = {k: timeit.timeit(f, number=n) / n * 1e6 for k, f in fns.items()}
+    for r in reqs:
+        e.abort(r.rid)
+    while e.has_work():
+        e.step()
+    return got
+
+
 def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: int = 7) -> dict[str, Any]:
     """`n` arrivals at an idle engine, one at a time (a request of 60 tokens that ends at its first
     token): each one's prefill step, host and forward, as a served request's first token pays them,
@@ -306,6 +350,9 @@ def main() -> None:
                    "max": max(r[k] for r in pre)} for k in ("host_us", "forward_us", "step_us")}
     prefill["parts_us"] = {k: statistics.median(r["parts_us"][k] for r in pre) for k in pre[0]["parts_us"]}
     ops = count_ops(e)
+    bb = max(bss)
+    books = [bookkeeping(e, bb) for _ in range(a.repeats)]
+    book = {k: statistics.median(b[k] for b in books) for k in books[0]}
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
         head += f" {'events us/step':>18}"
@@ -327,6 +374,8 @@ def main() -> None:
           + ", ".join(f"{k} {v:.0f}" for k, v in prefill["parts_us"].items()))
     print("  its torch operations (kernels/views/host tensors): "
           + ", ".join(f"{k} {v['kernels']}/{v['views']}/{v['host tensors']}" for k, v in ops.items()))
+    print(f"per-request host functions of a steady decode step at {bb} rows, hot loops (us a call, median of the repeats): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in book.items()))
     if a.output:
         import mleagle
 
@@ -335,7 +384,8 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "emulate_graphs": a.emulate_graphs, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops}}
+               "events": a.events, "emulate_graphs": a.emulate_graphs, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops},
+               "bookkeeping_us": {"rows": bb, "runs": books, "median": book}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 
