@@ -28,6 +28,8 @@ from typing import Any
 
 import aiohttp
 
+from mleagle.daemon.loop_lag import LoopLag
+from mleagle.daemon.loop_lag import summarize as lag_summary
 from mleagle.engine.contract.config import data_dir
 from mleagle.engine.contract.gc_watch import GcWatch
 
@@ -179,10 +181,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             def ready() -> None:
                 asyncio.run_coroutine_threadsafe(read_before(), loop).result(timeout=60)
 
-            results, dur, shares, gcs = await asyncio.to_thread(_run_procs, args, model, prompts, procs, ready)
+            results, dur, shares, gcs, lags = await asyncio.to_thread(_run_procs, args, model, prompts, procs, ready)
         else:
             await read_before()
             watch = GcWatch().install()
+            lag = LoopLag().start()
             cpu_client0 = time.process_time()
             t0 = time.perf_counter()
             tasks = []
@@ -194,7 +197,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             dur = time.perf_counter() - t0
             shares = [(time.process_time() - cpu_client0) / dur if dur > 0 else 0.0]
             watch.remove()
-            gcs = [watch.snapshot()]
+            await lag.stop()
+            gcs, lags = [watch.snapshot()], [lag.lags]
         tw0, d0 = before["t"], before["d"]
         dm0 = d0.get("daemon", {})
         cpu0, seq0 = dm0.get("cpu_s"), (dm0.get("ttft_phases") or {}).get("seq")
@@ -210,6 +214,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         summ["client_gc"] = {"collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
                              "pause_ms": [round(sum(g["pause_ms"][i] for g in gcs), 3) for i in range(3)],
                              "max_pause_ms": [max(g["max_pause_ms"][i] for g in gcs) for i in range(3)]}
+        # How late each client loop ran a timer every 2 ms: a stopped loop's stall is in every TTFT and
+        # ITL it measured then (`loop_lag`); a busy one is late by a millisecond or so.
+        summ["client_loop_lag"] = lag_summary(lags)
         server: dict[str, Any] = {}
         d = await _debug(s, args.url, seq0 if seq0 is not None else 1 << 62)
         window = time.perf_counter() - tw0
@@ -397,9 +404,10 @@ def phase_summary(ph: dict[str, Any] | None, ids: set[str] | None = None) -> dic
 def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc: int, barrier: Any,
                  out: Any) -> None:
     """One client process of `--client-procs`: a closed loop over its prompts at `conc`, started with
-    the others at the barrier; puts (results, monotonic end, CPU seconds, its collections) on `out`."""
+    the others at the barrier; puts (results, monotonic end, CPU seconds, its collections, its loop's
+    timer lateness) on `out`."""
 
-    async def go() -> tuple[list[Result], float, float, dict[str, Any]]:
+    async def go() -> tuple[list[Result], float, float, dict[str, Any], list[float]]:
         async with session(args) as s:
             sem = asyncio.Semaphore(conc)
 
@@ -410,11 +418,13 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
             await asyncio.to_thread(barrier.wait)  # every process ready: the parent reads the server's counters
             await asyncio.to_thread(barrier.wait)  # released together
             watch = GcWatch().install()
+            lag = LoopLag().start()
             cpu0 = time.process_time()
             res = list(await asyncio.gather(*(task(p) for p in prompts)))
             end, cpu = time.monotonic(), time.process_time() - cpu0
             watch.remove()
-            return res, end, cpu, watch.snapshot()
+            await lag.stop()
+            return res, end, cpu, watch.snapshot(), lag.lags
 
     try:
         out.put(asyncio.run(go()))
@@ -424,13 +434,14 @@ def _client_proc(args: argparse.Namespace, model: str, prompts: list[str], conc:
 
 
 def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: int,
-               ready: Callable[[], None] | None = None) -> tuple[list[Result], float, list[float], list[dict[str, Any]]]:
+               ready: Callable[[], None] | None = None
+               ) -> tuple[list[Result], float, list[float], list[dict[str, Any]], list[list[float]]]:
     """The closed loop split over `procs` client processes (started, then released together; `ready`
     runs once all are up, just before the release): request
     j goes to process j mod procs, the concurrency is shared out as evenly as it divides. Returns the
     results with every process's first wave first (so `summarize`'s first wave is theirs together),
-    the wall time from the release to the last finish, and each process's CPU share of a core and
-    garbage collections."""
+    the wall time from the release to the last finish, and each process's CPU share of a core, garbage
+    collections and timer lateness (`LoopLag`)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # never fork a process that runs an event loop
@@ -456,10 +467,11 @@ def _run_procs(args: argparse.Namespace, model: str, prompts: list[str], procs: 
     errs = [g for g in got if isinstance(g, BaseException)]
     if errs:
         raise RuntimeError(f"a client process failed: {errs[0]!r}")
-    dur = max(end for _, end, _, _ in got) - t0
-    firsts = [r for (res, _, _, _), k in zip(got, concs) for r in res[:k]]
-    rest = [r for (res, _, _, _), k in zip(got, concs) for r in res[k:]]
-    return firsts + rest, dur, [cpu / dur if dur > 0 else 0.0 for _, _, cpu, _ in got], [g for *_, g in got]
+    dur = max(g[1] for g in got) - t0
+    firsts = [r for g, k in zip(got, concs) for r in g[0][:k]]
+    rest = [r for g, k in zip(got, concs) for r in g[0][k:]]
+    return (firsts + rest, dur, [g[2] / dur if dur > 0 else 0.0 for g in got], [g[3] for g in got],
+            [g[4] for g in got])
 
 
 def summarize(results: list[Result], dur: float, first_wave: int = 0) -> dict[str, Any]:
@@ -546,6 +558,10 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"{'client GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "
                      f"{sum(g['pause_ms']):.1f} ms paused (all processes); longest "
                      f"{'/'.join(f'{x:.1f}' for x in g['max_pause_ms'])} ms")
+    lag = res.get("client_loop_lag")
+    if lag:
+        lines.append(f"{'client loop late (timers)':<28}p50 {lag['p50_ms']:.2f} p99 {lag['p99_ms']:.2f} max {lag['max_ms']:.1f} ms;"
+                     f" {lag['stalls']} stalls of 5 ms or more, {lag['stalled_ms']:.0f} ms in all")
     srv = res.get("server") or {}
     if srv:
         lines.append(f"{'peak RSS daemon/engine (MB)':<28}{srv.get('daemon_max_rss_mb') or 0:.0f} / "
