@@ -84,7 +84,7 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("accept_len", ("server", "spec", "accept_len"), "accept length"),
     # The load generator's own CPU share of one core: near 1, its queueing is in its TTFT and ITL.
     ("client_cpu_share", ("client_cpu_share",), "client CPU share"),
-    # Its loops' stalls (a 2 ms timer 5 ms late or more), in all: time every stream of that loop waited.
+    # Its loops' stalls (a 10 ms timer 5 ms late or more), in all: time every stream of that loop waited.
     ("client_stalled_ms", ("client_loop_lag", "stalled_ms"), "client loop stalled ms"),
 ]
 # The same from the offline replay (engine alone): what the daemon adds to latency shows beside them.

@@ -214,7 +214,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         summ["client_gc"] = {"collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
                              "pause_ms": [round(sum(g["pause_ms"][i] for g in gcs), 3) for i in range(3)],
                              "max_pause_ms": [max(g["max_pause_ms"][i] for g in gcs) for i in range(3)]}
-        # How late each client loop ran a timer every 2 ms: a stopped loop's stall is in every TTFT and
+        # How late each client loop ran a timer every 10 ms: a stopped loop's stall is in every TTFT and
         # ITL it measured then (`loop_lag`); a busy one is late by a millisecond or so.
         summ["client_loop_lag"] = lag_summary(lags)
         server: dict[str, Any] = {}

@@ -10,7 +10,7 @@ from mleagle.daemon.loop_lag import STALL_S, LoopLag, summarize
 
 
 async def test_a_blocked_loop_is_one_stall_of_the_block() -> None:
-    lag = LoopLag(period_s=0.002).start()
+    lag = LoopLag(period_s=0.002).start()  # finer than the default: a short test
     await asyncio.sleep(0.05)  # idle: timers fire about on time
     quiet = list(lag.lags)
     time.sleep(0.06)  # the loop stopped, as a client process descheduled or blocked in a call
