@@ -530,6 +530,12 @@ def loaded(ok: list[Result], conc: int) -> dict[str, float] | None:
     return {"output_throughput": tokens / (b - a), "seconds": b - a, "inflight": busy / (b - a)}
 
 
+def _gc_line(who: str, g: dict[str, Any], longest: str, max_ms: list[float]) -> str:
+    """A report line of garbage collections: per generation, how many, the pause in all, the longest."""
+    return (f"{who + ' GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "
+            f"{sum(g['pause_ms']):.1f} ms paused{longest} {'/'.join(f'{x:.1f}' for x in max_ms)} ms")
+
+
 def table(res: dict[str, Any]) -> str:
     lines = [
         f"{'model':<28}{res['model']}",
@@ -555,9 +561,7 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"{name:<28}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
     g = res.get("client_gc")
     if g:
-        lines.append(f"{'client GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "
-                     f"{sum(g['pause_ms']):.1f} ms paused (all processes); longest "
-                     f"{'/'.join(f'{x:.1f}' for x in g['max_pause_ms'])} ms")
+        lines.append(_gc_line("client", g, " (all processes); longest", g["max_pause_ms"]))
     lag = res.get("client_loop_lag")
     if lag:
         lines.append(f"{'client loop late (timers)':<28}p50 {lag['p50_ms']:.2f} p99 {lag['p99_ms']:.2f} max {lag['max_ms']:.1f} ms;"
@@ -573,9 +577,7 @@ def table(res: dict[str, Any]) -> str:
                          + (f"; {co} token deltas coalesced)" if co is not None else ")"))
         g = srv.get("daemon_gc")
         if g:
-            lines.append(f"{'daemon GC (gen 0/1/2)':<28}{'/'.join(map(str, g['collections']))} collections, "
-                         f"{sum(g['pause_ms']):.1f} ms paused; longest since start "
-                         f"{'/'.join(f'{x:.1f}' for x in g['max_pause_ms_since_start'])} ms")
+            lines.append(_gc_line("daemon", g, "; longest since start", g["max_pause_ms_since_start"]))
         lp = srv.get("engine_loop")
         if lp:
             parts = ", ".join(f"{k} {100 * lp.get(k + '_share', 0.0):.0f} %" for k in ("step", "send_outputs", "pump", "messages"))
