@@ -256,13 +256,8 @@ class Scheduler:
         """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
         ready = [r for r in self.running if not r.prefilling]
         mem = self.mem
-        span = mem.page_size
         for r in ready:
-            # Its pages cover the step (most requests, most steps): `ensure`'s own first check, inline,
-            # as this runs for every running request every step.
-            if r.kv_len + la <= len(r.pages) * span and r.req_pool_idx is not None:
-                continue
-            if not mem.ensure(r, min(r.kv_len + la, mem.max_context), DECODE_GROW):
+            if not (mem.covers(r, r.kv_len + la) or mem.ensure(r, min(r.kv_len + la, mem.max_context), DECODE_GROW)):
                 return None
         return ready
 
@@ -315,9 +310,9 @@ class Scheduler:
             ready = [r for r in self.running if not r.prefilling]
             if not ready:
                 return []
-            span = self.mem.page_size  # pages that cover the step need no `ensure` (see `_decode_ready`)
-            short = [r for r in ready if not (r.kv_len + la <= len(r.pages) * span and r.req_pool_idx is not None)
-                     and not self.mem.ensure(r, min(r.kv_len + la, self.mem.max_context), DECODE_GROW)]
+            mem = self.mem
+            short = [r for r in ready if not (mem.covers(r, r.kv_len + la)
+                                              or mem.ensure(r, min(r.kv_len + la, mem.max_context), DECODE_GROW))]
             if not short:
                 return ready
             # Preempt the newest request (LIFO) and try again; the oldest always gets to finish.

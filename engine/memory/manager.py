@@ -116,6 +116,11 @@ class MemoryManager:
         have = len(self.allocator.free_pages) + self.evictable_pages
         return need <= have and (req.req_pool_idx is not None or bool(self.free_reqs))
 
+    def covers(self, req: HoldsKV, new_len: int) -> bool:
+        """`req` holds slots for positions [0, new_len) already: most decode steps of most requests
+        (`ensure`'s first check, which the scheduler asks of every running request every step)."""
+        return req.req_pool_idx is not None and new_len <= len(req.pages) * self.allocator.page_size
+
     def ensure(self, req: HoldsKV, new_len: int, grow: int = 0) -> bool:
         """Give `req` slots for positions [0, new_len). False (nothing changed) if the pool is short.
 
@@ -123,8 +128,8 @@ class MemoryManager:
         decoding request takes pages in blocks and most steps need no allocation and no map write."""
         if new_len > self.max_context:
             raise ValueError(f"position {new_len} beyond the request-to-token map ({self.max_context})")
-        if req.req_pool_idx is not None and new_len <= len(req.pages) * self.page_size:
-            return True  # its pages cover it: most decode steps (each request, every step)
+        if self.covers(req, new_len):
+            return True
         if req.req_pool_idx is None:
             if not self.free_reqs:
                 return False
