@@ -1,9 +1,10 @@
 """How late a load generator's event loop runs its own timers: when it fell behind its streams, and by how much.
 
 `bench serve` reads every stream of a client process on one asyncio loop, and its TTFT and ITL are
-measured there: a frame the daemon wrote sits in the socket until that loop gets to it. Stop 48's
-H200 timeline found 6 % of first frames read 15-57 ms after they were written, in runs of one client
-process at a time, with that process's garbage collections too short to explain it. `LoopLag` runs
+measured there: a frame the daemon wrote sits in the socket until that loop gets to it. An H200 run at
+concurrency 32 (`results/gpu/stop48/`, its request-by-request timeline) found 6 % of first frames read
+15-57 ms after they were written, in runs of one client process at a time, with that process's garbage
+collections too short to explain it. `LoopLag` runs
 beside the streams a timer every `period_s` and records how late each one fires: a loop busy parsing
 frames is late by its busy stretch (about a millisecond), one that was stopped (descheduled, blocked
 in a call) is late by the whole stop, and the report says which the run met. A late timer is an upper
