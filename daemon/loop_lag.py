@@ -24,7 +24,7 @@ STALL_S = 0.005  # a timer this late or later counts as a stall: far beyond a lo
 
 
 class LoopLag:
-    """Timer lateness of the running loop while `start`ed; `snapshot` summarises it (milliseconds)."""
+    """Timer lateness (seconds) of the running loop while `start`ed, in `lags`; `summarize` reads them."""
 
     def __init__(self, period_s: float = 0.01) -> None:
         self.period_s = period_s
@@ -51,9 +51,6 @@ class LoopLag:
             t = time.perf_counter()
             await asyncio.sleep(p)
             self.lags.append(max(0.0, time.perf_counter() - t - p))
-
-    def snapshot(self) -> dict[str, Any]:
-        return summarize([self.lags])
 
 
 def summarize(runs: list[list[float]]) -> dict[str, Any]:
