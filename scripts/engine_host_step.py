@@ -16,7 +16,10 @@ a time: the host time of each one's prefill step beside its forward (a served fi
 part), and that step in its parts (`PREFILL_PARTS`: scheduling with the KV pages, the slot-state
 rows, the batch, the forward, the first token's sampling, the wait for its copy, the rest), with the
 prefix cache empty at the start of each repeat, or with `--cache full` full of other prompts so that
-every arrival evicts (a server that has run a while; `--pool-tokens` sets the pool's size). Last, the
+every arrival evicts (a server that has run a while; `--pool-tokens` sets the pool's size). Then what
+an arrival costs a running batch of the largest size less one (`arrivals`: phases with and without an
+arrival every 4 decode iterations, alternating; on a GPU the arrival rides in a mixed step, so this is
+its whole cost to the requests decoding, host and device). Last, the
 per-request host functions of a steady decode step at the largest batch, each in a hot loop
 (`bookkeeping`). Prints a table (median and range over the repeats) and writes JSON. `--device cuda` runs the same on a GPU
 (with its CUDA graphs): there a forward is a graph launch and the rest of a step includes waiting for
@@ -233,6 +236,64 @@ def bookkeeping(e: Any, bs: int, n: int = 2000) -> dict[str, float]:
     return got
 
 
+def arrival_tokens(n: int, every: int = 4) -> int:
+    """New tokens a running request of `arrivals` may take: 7 phases of `every * n` iterations, and a
+    margin (an iteration in flight is one more)."""
+    return 7 * every * n + 16
+
+
+def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, float]:
+    """What one arrival costs a running batch: `bs - 1` requests decode while, in alternating phases of
+    `every * n` decode iterations each, either nothing arrives or a 60-token request (ending at its
+    first token, so the batch keeps its size) arrives before every `every`-th iteration. The difference
+    of the two phases' wall times over `n` is an arrival's marginal cost to the batch, host and device
+    together: on a GPU (overlap scheduling) its prefill rides in a mixed step beside the iteration in
+    flight; on the CPU it is a prefill step of its own that the decoding requests wait behind. Phases
+    count iterations, not steps, so both make the same progress. Each arrival of a served closed loop
+    costs every running request this (c32 takes ~90 arrivals a second on an H200). Medians over three
+    alternations, microseconds."""
+    from mleagle.engine.contract.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    iters, reps = every * n, 3
+    long = SamplingParams(max_new_tokens=min(e.max_context_len - 61 - e.worker.lookahead, arrival_tokens(n, every)),
+                          temperature=0.0, ignore_eos=True)
+    one_tok = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(bs - 1):
+        e.add_request(f"arr-run-{seed}-{i}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], long)
+    s = e.scheduler
+    while s.waiting or any(r.prefilling for r in s.running):
+        e.step()
+    k = 0
+
+    def phase(arrive: bool) -> float:
+        nonlocal k
+        done, due = 0, 0
+        t0 = time.perf_counter()
+        while done < iters:
+            if arrive and done >= due:
+                e.add_request(f"arr-{seed}-{k}", [rng.randrange(1, e.arch.vocab_size) for _ in range(60)], one_tok)
+                k, due = k + 1, due + every
+            e.step()
+            done += e.last_report.mode in ("DECODE", "MIXED")
+        return time.perf_counter() - t0
+
+    phase(True)  # every shape met once
+    plain, mixed = [], []
+    for _ in range(reps):
+        plain.append(phase(False))
+        mixed.append(phase(True))
+    if len(s.running) < bs - 1:
+        raise RuntimeError(f"the batch shrank to {len(s.running)} rows before the phases ended: lower --arrivals")
+    for r in list(s.running) + list(s.waiting):
+        e.abort(r.rid)
+    while e.has_work():
+        e.step()
+    p, m = statistics.median(plain), statistics.median(mixed)
+    return {"rows": bs - 1, "every": every, "iteration_us": p / iters * 1e6, "arrival_us": (m - p) / n * 1e6,
+            "arrivals": k}
+
+
 def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: int = 7) -> dict[str, Any]:
     """`n` arrivals at an idle engine, one at a time (a request of 60 tokens that ends at its first
     token): each one's prefill step, host and forward, as a served request's first token pays them,
@@ -287,6 +348,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefills", type=int, default=100, help="lone arrivals timed per repeat")
+    ap.add_argument("--arrivals", type=int, default=25,
+                    help="arrivals per phase for an arrival's cost to a running batch of the largest size (0: skip)")
     ap.add_argument("--cache", default="empty", choices=["empty", "full"],
                     help="the prefix cache at the lone arrivals: empty, or full of other prompts (every arrival evicts)")
     ap.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: 400 per request of the largest batch)")
@@ -313,7 +376,7 @@ def main() -> None:
     if a.emulate_graphs:
         over["graph_emulate"] = True
     e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss),
-               max_total_tokens=a.pool_tokens or max(bss) * 400 + 1024,
+               max_total_tokens=a.pool_tokens or max(bss) * max(400, 61 + arrival_tokens(a.arrivals) + 8) + 1024,
                **over)
     acc = [0.0]
     forward = R.ModelRunner.forward
@@ -352,6 +415,7 @@ def main() -> None:
     ops = count_ops(e)
     bb = max(bss)
     books = [bookkeeping(e, bb) for _ in range(a.repeats)]
+    arr = [arrivals(e, bb, a.arrivals, seed=r) for r in range(a.repeats)] if a.arrivals else []
     book = {k: statistics.median(b[k] for b in books) for k in books[0]}
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
@@ -376,6 +440,12 @@ def main() -> None:
           + ", ".join(f"{k} {v['kernels']}/{v['views']}/{v['host tensors']}" for k, v in ops.items()))
     print(f"per-request host functions of a steady decode step at {bb} rows, hot loops (us a call, median of the repeats): "
           + ", ".join(f"{k} {v:.1f}" for k, v in book.items()))
+    if arr:
+        am = {k: statistics.median(r[k] for r in arr) for k in ("iteration_us", "arrival_us")}
+        each = ", ".join(f"{r['arrival_us']:.0f}" for r in arr)
+        print(f"one 60-token arrival into {bb - 1} decoding requests, one before every {arr[0]['every']}th iteration (its first token "
+              f"ends it): {am['arrival_us']:.0f} us more than the batch alone "
+              f"({each} over the repeats), whose decode iteration takes {am['iteration_us']:.0f} us")
     if a.output:
         import mleagle
 
@@ -385,7 +455,8 @@ def main() -> None:
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
                "events": a.events, "emulate_graphs": a.emulate_graphs, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops},
-               "bookkeeping_us": {"rows": bb, "runs": books, "median": book}}
+               "bookkeeping_us": {"rows": bb, "runs": books, "median": book},
+               "arrival_into_batch": {"runs": arr, **({k: statistics.median(r[k] for r in arr) for k in ("iteration_us", "arrival_us")} if arr else {})}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 

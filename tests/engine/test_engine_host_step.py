@@ -1,11 +1,12 @@
 """scripts/engine_host_step.py end to end on the CPU: a decode step's host time beside the forward, the
-step's message and state events apart, and a lone arrival's prefill, each a positive figure per repeat
-(the script wraps `ModelRunner.forward`, `Engine.step` and the prefill step's parts; a rename there
+step's message and state events apart, a lone arrival's prefill, each a positive figure per repeat, and
+an arrival's cost to a running batch (the script wraps `ModelRunner.forward`, `Engine.step` and the prefill step's parts; a rename there
 must not leave it measuring nothing)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     out = tmp_path / "host.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_host_step.py"), "--batch-sizes", "4",
                         "--repeats", "2", "--prefills", "5", "--events", "--cache", "full", "--pool-tokens", "4096",
-                        "--output", str(out)],
+                        "--arrivals", "5", "--output", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -46,6 +47,12 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     for k in ("kernels", "views", "host tensors"):
         top = sum(ops[n][k] for n in ("schedule", "admit", "build batch", "first token", "settle", "forward", "rest"))
         assert top == ops["step"][k] and ops["rest"][k] >= 0, (k, ops)
+    # Arrivals into a running batch of 3: every phase made its 20 iterations with an arrival before every
+    # 4th (the script refuses a batch that shrank), warm-up and three timed phases a repeat.
+    arr = res["arrival_into_batch"]
+    assert len(arr["runs"]) == 2 and all(a["rows"] == 3 and a["arrivals"] == 4 * 5 for a in arr["runs"])
+    assert arr["iteration_us"] > 0 and math.isfinite(arr["arrival_us"])
+    assert "one 60-token arrival into 3 decoding requests" in r.stdout
     assert "its parts (us" in r.stdout and "its torch operations" in r.stdout
     assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout and "every arrival evicts" in r.stdout
 
