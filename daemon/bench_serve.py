@@ -230,6 +230,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_torch_loaded": dm.get("torch_loaded"), "daemon_cpu_s": cpu,
                       "daemon_cpu_us_per_token": 1e6 * cpu / out_tok if cpu is not None and out_tok else None,
                       "daemon_cpu_share": cpu / dur if cpu is not None and dur > 0 else None,
+                      # beside a GPU engine the daemon's loop spins while few requests run and after each
+                      # ends (`server.spin_ms`): the passes that found nothing to do are polling, not work
+                      "daemon_spin_idle_s": dm["spin_idle_s"] - dm0["spin_idle_s"]
+                      if "spin_idle_s" in dm and "spin_idle_s" in dm0 else None,
                       # token deltas of later steps merged into an earlier step's because the daemon's
                       # loop was behind (read several steps at once): writes it did not have to make
                       "daemon_coalesced": dm["coalesced"] - dm0["coalesced"] if "coalesced" in dm and "coalesced" in dm0 else None,
@@ -572,8 +576,10 @@ def table(res: dict[str, Any]) -> str:
                      f"{srv.get('engine_max_rss_mb') or 0:.0f}")
         if srv.get("daemon_cpu_us_per_token") is not None:
             co = srv.get("daemon_coalesced")
+            idle = srv.get("daemon_spin_idle_s")
+            spun = f", {100 * idle / srv['daemon_cpu_s']:.0f} % of it polling in its spin" if idle and srv.get("daemon_cpu_s") else ""
             lines.append(f"{'daemon CPU per token (us)':<28}{srv['daemon_cpu_us_per_token']:.1f}"
-                         f" ({100 * srv['daemon_cpu_share']:.0f} % of one core"
+                         f" ({100 * srv['daemon_cpu_share']:.0f} % of one core{spun}"
                          + (f"; {co} token deltas coalesced)" if co is not None else ")"))
         g = srv.get("daemon_gc")
         if g:

@@ -56,6 +56,7 @@ from mleagle.engine.contract.sampling_params import SamplingParams
 log = logging.getLogger("mleagle.daemon")
 SRV: web.AppKey[Server] = web.AppKey("srv")
 PUBLIC = {"/health"}
+SPIN_IDLE_S = 20e-6  # a spin pass shorter than this ran nothing but the poll (`Server.spin_idle_s`)
 SPIN_ACTIVE = 4  # the daemon's loop spins (`Server.spin`) while at most this many requests are in flight
 # request key: time.monotonic() as a generation route began (the TTFT split's first mark); a typed
 # key where aiohttp has them (3.12+), which it asks for
@@ -100,6 +101,9 @@ class Server:
         self.spin_until = 0.0
         self.spinner: asyncio.Task[None] | None = None
         self.spins = 0
+        # Time the spin found nothing to do (a pass of the loop back to the spinner within SPIN_IDLE_S):
+        # CPU burnt polling, which `bench serve` takes out of the daemon's CPU to show its work.
+        self.spin_idle_s = 0.0
         self.gc = GcWatch().install()  # the loop's collections and their pauses (`/debug/engine`)
 
     def _fatal(self, code: int) -> None:
@@ -256,8 +260,14 @@ class Server:
         self.spinner = asyncio.get_running_loop().create_task(self._spin())
 
     async def _spin(self) -> None:
+        now = time.monotonic
+        last = now()
         try:
-            while 0 < self.active <= SPIN_ACTIVE or time.monotonic() < self.spin_until:
+            while 0 < self.active <= SPIN_ACTIVE or now() < self.spin_until:
+                t = now()
+                if t - last < SPIN_IDLE_S:  # back at once: the pass between found nothing else to run
+                    self.spin_idle_s += t - last
+                last = t
                 self.spins += 1
                 await asyncio.sleep(0)
         finally:
@@ -847,7 +857,7 @@ async def debug_engine(request: web.Request) -> web.Response:
                             "daemon": {"pid": os.getpid(), "torch_loaded": "torch" in sys.modules,
                                        "max_rss_mb": peak_rss_mb(), "cpu_s": time.process_time(),
                                        "direct_outputs": srv.direct_outputs, "coalesced": c.coalesced,
-                                       "spins": srv.spins,
+                                       "spins": srv.spins, "spin_idle_s": srv.spin_idle_s,
                                        "gc": srv.gc.snapshot()}}
     since = request.query.get("phases_since")
     if since is not None:  # the TTFT splits of the requests after the one numbered `since`

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -270,7 +271,8 @@ async def test_a_malformed_engine_message_is_dropped_with_a_log_line(eng: Script
 async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Tokenizer, device: str) -> None:
     """`server.spin_ms`: beside a GPU engine the daemon's loop keeps polling while a request is in
     flight and for the window after it ends, then sleeps again (the spinner is gone, its count still);
-    beside a CPU engine it never spins (that engine's forwards need the cores)."""
+    beside a CPU engine it never spins (that engine's forwards need the cores). The time its passes
+    found nothing to do is counted apart (`spin_idle_s`: polling, not work), never more than the wall."""
     srv = eng.srv
     srv.spin_s = 0.2
     srv.client.info = srv.client.info.model_copy(update={"device": device})  # type: ignore[union-attr]
@@ -278,14 +280,17 @@ async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Token
     async with session() as s:
         req = asyncio.ensure_future(s.post(eng.url + "/v1/completions", json={"prompt": "hi", "stream": True}))
         rid = (await eng.added())[0]
-        await asyncio.sleep(0.05)  # the request waits for its first token
+        idle0, t0 = srv.spin_idle_s, time.monotonic()
+        await asyncio.sleep(0.05)  # the request waits for its first token: the loop has nothing to do
+        idle, waited = srv.spin_idle_s - idle0, time.monotonic() - t0
         during = srv.spins
         eng.emit(*(out(rid, [i]) for i in ids), out(rid, [], True, "length"))
         _ = [e async for e in sse_events((await req).content)]
     if device == "cpu":
-        assert srv.spins == 0 and srv.spinner is None
+        assert srv.spins == 0 and srv.spinner is None and srv.spin_idle_s == 0.0
         return
     assert during > 10
+    assert 0.2 * waited < idle <= waited, (idle, waited)
     await asyncio.sleep(0.05)  # inside the window after the request: still polling
     assert srv.spinner is not None and srv.spins > during
     await asyncio.sleep(0.3)  # past it
