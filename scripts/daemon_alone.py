@@ -1,13 +1,13 @@
 """The daemon alone: how many tokens a second its serving path can stream, and at what cost per token.
 
-`python scripts/daemon_alone.py [--step-ms 2,1] [--concurrency 32,64] [--max-tokens 256] [--repeats 2]
+`python scripts/daemon_alone.py [--step-ms 2,1] [--concurrency 32,64] [--max-tokens 256] [--repeats 2] [--min-requests N]
 [--dataset D] [--spin] [--equal-lengths] [--verbose] [--output F.json]`: for each engine step interval and concurrency, starts the daemon's real app (the
 SmolLM2 config's tokenizer and chat template, its detokenizer, SSE framing, metrics and TTFT split;
 uvloop where installed, as `mleagle serve` runs it) in a process of its own, with a scripted engine in
 another process on the real engine channel: the engine answers pings and, every `--step-ms`, sends one
 `Outputs` message with one token for each request it holds (text from a fixed paragraph), ending each
 after a length drawn between a quarter of its `max_tokens` and all of it (as answers end at their EOS). Then it runs `mleagle bench serve` against it (MT-Bench chat by default, `--ignore-eos`,
-4 x concurrency requests after a warm-up of one wave) and prints, per run, what the clients got
+`--requests-per-concurrency` (4) x concurrency requests, at least `--min-requests` (0), after a warm-up of one wave) and prints, per run, what the clients got
 against what the engine emitted, ITL and TTFT, the daemon's CPU per token, how many token deltas
 it merged because it read several steps at once (`EngineClient._on_msgs`), and the daemon's garbage
 collections over the run (their count and pause per generation). No model runs, so this is
@@ -188,7 +188,7 @@ def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[
         urllib.request.urlopen(url + "/health", timeout=10).read()
         with tempfile.TemporaryDirectory() as tmp:
             bench(url, conc, conc, args.max_tokens, Path(tmp) / "warm.json", args.dataset)  # every path met once
-            res = bench(url, conc, 4 * conc, args.max_tokens, Path(tmp) / "run.json", args.dataset, args.verbose)
+            res = bench(url, conc, max(args.requests_per_concurrency * conc, args.min_requests), args.max_tokens, Path(tmp) / "run.json", args.dataset, args.verbose)
     finally:
         d.kill()
         d.join(5)
@@ -215,6 +215,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--dataset", default="mt_bench", help="bench serve's --dataset (a name or a .jsonl file)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--requests-per-concurrency", type=int, default=4, help="requests a run per unit of concurrency")
+    ap.add_argument("--min-requests", type=int, default=0, help="at least this many requests a run (c1 wants more than 4)")
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--spin", action="store_true", help="the daemon's loop spins as beside a GPU engine")
     ap.add_argument("--equal-lengths", action="store_true",

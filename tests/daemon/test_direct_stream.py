@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mleagle.daemon.server import SRV, Server, create_app
+from mleagle.daemon.server import REHEARSE_EVERY_S, SRV, Server, create_app
 from mleagle.engine.contract.config import load_config
 from mleagle.engine.contract.outputs import RequestOutput
 from mleagle.engine.contract.protocol import AbortRequest, AddRequest, Outputs, Pong, Ready, encode
@@ -272,7 +272,8 @@ async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Token
     """`server.spin_ms`: beside a GPU engine the daemon's loop keeps polling while a request is in
     flight and for the window after it ends, then sleeps again (the spinner is gone, its count still);
     beside a CPU engine it never spins (that engine's forwards need the cores). The time its passes
-    found nothing to do is counted apart (`spin_idle_s`: polling, not work), never more than the wall."""
+    found nothing to do is counted apart (`spin_idle_s`: polling, not work), never more than the wall,
+    and in it the intake path is rehearsed on a throwaway request every `REHEARSE_EVERY_S` (`rehearse`)."""
     srv = eng.srv
     srv.spin_s = 0.2
     srv.client.info = srv.client.info.model_copy(update={"device": device})  # type: ignore[union-attr]
@@ -287,10 +288,12 @@ async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Token
         eng.emit(*(out(rid, [i]) for i in ids), out(rid, [], True, "length"))
         _ = [e async for e in sse_events((await req).content)]
     if device == "cpu":
-        assert srv.spins == 0 and srv.spinner is None and srv.spin_idle_s == 0.0
+        assert srv.spins == 0 and srv.spinner is None and srv.spin_idle_s == 0.0 and srv.rehearsals == 0
         return
     assert during > 10
     assert 0.2 * waited < idle <= waited, (idle, waited)
+    # 50 ms with nothing to do: a rehearsal every 2 ms, less what the machine's load takes
+    assert 5 <= srv.rehearsals <= waited / REHEARSE_EVERY_S + 1, srv.rehearsals
     await asyncio.sleep(0.05)  # inside the window after the request: still polling
     assert srv.spinner is not None and srv.spins > during
     await asyncio.sleep(0.3)  # past it

@@ -239,3 +239,24 @@ def test_encode_chat_encodes_the_templates_own_pieces_once(ours: Tokenizer, monk
     assert ours.encode_chat([{"role": "user", "content": "new"}]) == ours.encode(ours.apply_chat_template(
         [{"role": "user", "content": "new"}]))
     assert len(ours._pieces) == 1
+
+
+def test_a_rehearsal_runs_the_chat_path_and_leaves_no_trace(ours: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rehearse` renders the template and encodes its text as new (what keeps a waiting daemon's intake
+    warm) and changes nothing a later request sees: the piece cache is as it was, the ids the same."""
+    from mleagle.engine.contract import tokenizer as T
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    want = ours.encode_chat(chat)
+    cached = dict(ours._pieces)
+    seen: list[list[str]] = []
+    real = T._encode_many
+    monkeypatch.setattr(T, "_encode_many", lambda tok, texts, *a, **kw: seen.append(list(texts)) or real(tok, texts, *a, **kw))
+    rendered: list[list[dict[str, str]]] = []
+    real_render = ours.apply_chat_template
+    monkeypatch.setattr(ours, "apply_chat_template", lambda m, *a, **kw: rendered.append(m) or real_render(m, *a, **kw))
+    ours.rehearse("A rehearsal, number 7.")
+    assert seen == [["A rehearsal, number 7."]] and rendered == [[{"role": "user", "content": "A rehearsal, number 7."}]]
+    assert ours._pieces == cached
+    monkeypatch.undo()
+    assert ours.encode_chat(chat) == want
