@@ -248,6 +248,7 @@ def test_a_rehearsal_runs_the_chat_path_and_leaves_no_trace(ours: Tokenizer, mon
 
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     want = ours.encode_chat(chat)
+    plain_ids = ours.encode("A rehearsal, number 7.", add_special_tokens=False)
     cached = dict(ours._pieces)
     seen: list[list[str]] = []
     real = T._encode_many
@@ -255,7 +256,7 @@ def test_a_rehearsal_runs_the_chat_path_and_leaves_no_trace(ours: Tokenizer, mon
     rendered: list[list[dict[str, str]]] = []
     real_render = ours.apply_chat_template
     monkeypatch.setattr(ours, "apply_chat_template", lambda m, *a, **kw: rendered.append(m) or real_render(m, *a, **kw))
-    ours.rehearse("A rehearsal, number 7.")
+    assert ours.rehearse("A rehearsal, number 7.") == plain_ids
     assert seen == [["A rehearsal, number 7."]] and rendered == [[{"role": "user", "content": "A rehearsal, number 7."}]]
     assert ours._pieces == cached
     monkeypatch.undo()
