@@ -303,6 +303,28 @@ async def test_the_loop_spins_beside_a_gpu_engine_only(eng: Scripted, tok: Token
     assert srv.spins == n
 
 
+async def test_a_rehearsal_leaves_nothing_behind(eng: Scripted) -> None:
+    """`Server.rehearse` (the spin's warm-up of the intake path) sends the engine nothing, counts no
+    request or token in the metrics, and leaves nothing for the collector: every object it built goes
+    as it returns."""
+    import gc
+
+    srv = eng.srv
+    before = srv.metrics.render()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            srv.rehearse()
+        left = gc.collect()
+    finally:
+        gc.enable()
+    assert srv.rehearsals == 3 and left == 0
+    assert srv.metrics.render() == before
+    await asyncio.sleep(0.05)
+    assert eng.sent == []
+
+
 async def test_steps_read_together_reach_a_stream_as_one_frame(eng: Scripted, tok: Tokenizer) -> None:
     """A daemon that fell behind reads several engine steps in one callback: a request's token-only
     deltas of consecutive steps go out as one frame (one write), with every token's text, in order;
