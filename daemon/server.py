@@ -276,8 +276,9 @@ class Server:
                     self.spin_idle_s += t - last
                     if t >= due:
                         self.rehearse()
-                        due = now() + REHEARSE_EVERY_S
-                last = now()
+                        t = now()  # the rehearsal is work, not polling: the next pass is timed after it
+                        due = t + REHEARSE_EVERY_S
+                last = t
                 self.spins += 1
                 await asyncio.sleep(0)
         finally:

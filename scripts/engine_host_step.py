@@ -236,10 +236,13 @@ def bookkeeping(e: Any, bs: int, n: int = 2000) -> dict[str, float]:
     return got
 
 
+ARRIVAL_REPS = 3  # `arrivals`' timed alternations (a phase without arrivals, then one with)
+
+
 def arrival_tokens(n: int, every: int = 4) -> int:
-    """New tokens a running request of `arrivals` may take: 7 phases of `every * n` iterations, and a
-    margin (an iteration in flight is one more)."""
-    return 7 * every * n + 16
+    """New tokens a running request of `arrivals` may take: its warm-up phase and `ARRIVAL_REPS` pairs
+    of phases, each `every * n` iterations, and a margin (an iteration in flight is one more)."""
+    return (1 + 2 * ARRIVAL_REPS) * every * n + 16
 
 
 def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, float]:
@@ -250,12 +253,12 @@ def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, fl
     together: on a GPU (overlap scheduling) its prefill rides in a mixed step beside the iteration in
     flight; on the CPU it is a prefill step of its own that the decoding requests wait behind. Phases
     count iterations, not steps, so both make the same progress. Each arrival of a served closed loop
-    costs every running request this (c32 takes ~90 arrivals a second on an H200). Medians over three
-    alternations, microseconds."""
+    costs every running request this (c32 takes ~90 arrivals a second on an H200). Medians over
+    `ARRIVAL_REPS` alternations, microseconds."""
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    iters, reps = every * n, 3
+    iters = every * n
     long = SamplingParams(max_new_tokens=min(e.max_context_len - 61 - e.worker.lookahead, arrival_tokens(n, every)),
                           temperature=0.0, ignore_eos=True)
     one_tok = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
@@ -280,7 +283,7 @@ def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, fl
 
     phase(True)  # every shape met once
     plain, mixed = [], []
-    for _ in range(reps):
+    for _ in range(ARRIVAL_REPS):
         plain.append(phase(False))
         mixed.append(phase(True))
     if len(s.running) < bs - 1:

@@ -1,7 +1,7 @@
 """scripts/engine_host_step.py end to end on the CPU: a decode step's host time beside the forward, the
 step's message and state events apart, a lone arrival's prefill, each a positive figure per repeat, and
-an arrival's cost to a running batch (the script wraps `ModelRunner.forward`, `Engine.step` and the prefill step's parts; a rename there
-must not leave it measuring nothing)."""
+an arrival's cost to a running batch (the script wraps `ModelRunner.forward`, `Engine.step` and the
+prefill step's parts; a rename there must not leave it measuring nothing)."""
 
 from __future__ import annotations
 
