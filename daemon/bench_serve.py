@@ -67,6 +67,9 @@ class Result:
     t_send: float = 0.0
     t_first: float = 0.0
     id: str = ""
+    # time.monotonic() as the client's HTTP layer put the request on its connection (its body's write,
+    # `_sent_trace`): splits `before_route` into the client's own part and the daemon's
+    t_sent: float = 0.0
 
 
 def request_body(args: argparse.Namespace, model: str, p: str) -> dict[str, Any]:
@@ -90,7 +93,7 @@ async def one(s: aiohttp.ClientSession, args: argparse.Namespace, model: str, p:
     r.t_send = time.monotonic()
     last = None
     try:
-        async with s.post(url, json=body) as resp:
+        async with s.post(url, json=body, trace_request_ctx=r) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return r
@@ -144,11 +147,25 @@ async def _debug(s: aiohttp.ClientSession, url: str, phases_since: int = 1 << 62
         return {}
 
 
+def _sent_trace() -> aiohttp.TraceConfig:
+    """Marks each request's `Result.t_sent` as aiohttp writes its headers and again as it writes its
+    body (the request's `trace_request_ctx`): the last mark is when the whole request left the client."""
+    tc = aiohttp.TraceConfig()
+
+    async def sent(_s: aiohttp.ClientSession, ctx: Any, _params: Any) -> None:
+        if isinstance(r := ctx.trace_request_ctx, Result):
+            r.t_sent = time.monotonic()
+
+    tc.on_request_headers_sent.append(sent)
+    tc.on_request_chunk_sent.append(sent)
+    return tc
+
+
 def session(args: argparse.Namespace) -> aiohttp.ClientSession:
-    """The client's HTTP session: the API key, the run's timeout, no connection limit."""
+    """The client's HTTP session: the API key, the run's timeout, no connection limit, the send marks."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=args.timeout),
-                                 connector=aiohttp.TCPConnector(limit=0))
+                                 connector=aiohttp.TCPConnector(limit=0), trace_configs=[_sent_trace()])
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -356,12 +373,20 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return out
 
 
+# `outside_split`'s parts: before the route (split into the client's send and what follows it) and
+# after the write
+OUTSIDE = ("before_route", "after_write", "client_send", "to_route")
+
+
 def outside_split(results: list[Result], ph: dict[str, Any] | None, first_wave: int = 0) -> dict[str, Any] | None:
     """The part of each request's TTFT the server's split does not see, matched by response id: from
     the client sending it to the daemon's route beginning (`before_route`: the connection, the HTTP
     parser, the loop's queue before the handler) and from the daemon writing the first frame to the
     client reading its content (`after_write`: the socket, the client's own loop; the daemon marks
-    just after its write, so a client that reads at once can come out a hair negative). One clock: the
+    just after its write, so a client that reads at once can come out a hair negative).
+    `before_route` in two: `client_send`, from the client starting the request to its HTTP layer
+    writing it (the body's JSON, the request's build, a connection from the pool: a busy client's
+    own delay), and `to_route`, from that write to the route (the socket and the daemon's loop). One clock: the
     client and the server share a host (a remote server's marks are on another clock: then the
     figures are meaningless, and a loopback URL is what `serve-matrix` uses). Means, p50 and p90 in ms,
     and their means over the requests slowest by client TTFT; `steady` has the same figures over the
@@ -371,13 +396,14 @@ def outside_split(results: list[Result], ph: dict[str, Any] | None, first_wave: 
     n = len(ph["names"])
     marks = {r[1 + n]: (r[2 + n], r[3 + n]) for r in ph["recent"] if len(r) >= n + 4}
     def split(rs: list[Result]) -> dict[str, Any] | None:
-        got = [(r.ttft, marks[r.id][0] - r.t_send, r.t_first - marks[r.id][1]) for r in rs
+        got = [(r.ttft, marks[r.id][0] - r.t_send, r.t_first - marks[r.id][1],
+                (r.t_sent or r.t_send) - r.t_send, marks[r.id][0] - (r.t_sent or r.t_send)) for r in rs
                if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
         if not got:
             return None
         slow = _slowest_tenth(got, key=lambda g: g[0])
         out: dict[str, Any] = {"requests": len(got)}
-        for i, k in ((1, "before_route"), (2, "after_write")):
+        for i, k in enumerate(OUTSIDE, 1):
             out[k] = _tail_stats([g[i] for g in got], [g[i] for g in slow])
         return out
 
@@ -614,13 +640,13 @@ def table(res: dict[str, Any]) -> str:
             out = srv.get("ttft_outside")
             if out:
                 lines.append(f"TTFT outside the split, ms ({out['requests']} requests; slow 10%: by client TTFT)")
-                lines += [row(n, out[n]) for n in ("before_route", "after_write")]
+                lines += [row(n, out[n]) for n in OUTSIDE if n in out]
             st, st_out = srv.get("ttft_phases_steady"), (out or {}).get("steady")
             if st:
                 lines.append(f"after the first wave, ms ({st['requests']} requests)")
                 lines += [row(n, v) for n, v in st["phases"].items()]
                 if st_out:
-                    lines += [row(n, st_out[n]) for n in ("before_route", "after_write")]
+                    lines += [row(n, st_out[n]) for n in OUTSIDE if n in st_out]
     if res["errors"]:
         lines.append(f"{'errors':<28}{res['errors']}")
     return "\n".join(lines)

@@ -164,10 +164,11 @@ def daemon_main(port: int, step_s: float, spin: bool, vary: bool, ready: Any) ->
         r.run(daemon_async(port, step_s, spin, vary, ready))
 
 
-def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, dataset: str, verbose: bool = False) -> dict[str, Any]:
+def bench(url: str, conc: int, n: int, max_tokens: int, out: Path, dataset: str, verbose: bool = False,
+          procs: int = 0) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "mleagle.cli", "bench", "serve", "--url", url, "--dataset", dataset, "--concurrency", str(conc),
            "--num-prompts", str(n), "--max-tokens", str(max_tokens), "--ignore-eos", "--output", str(out),
-           "--client-procs", str(max(1, min(4, conc // 32)))]
+           "--client-procs", str(procs or max(1, min(4, conc // 32)))]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"bench serve failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -188,7 +189,8 @@ def one(step_ms: float, conc: int, args: argparse.Namespace, port: int) -> dict[
         urllib.request.urlopen(url + "/health", timeout=10).read()
         with tempfile.TemporaryDirectory() as tmp:
             bench(url, conc, conc, args.max_tokens, Path(tmp) / "warm.json", args.dataset)  # every path met once
-            res = bench(url, conc, max(args.requests_per_concurrency * conc, args.min_requests), args.max_tokens, Path(tmp) / "run.json", args.dataset, args.verbose)
+            res = bench(url, conc, max(args.requests_per_concurrency * conc, args.min_requests), args.max_tokens, Path(tmp) / "run.json", args.dataset, args.verbose,
+                        args.client_procs)
     finally:
         d.kill()
         d.join(5)
@@ -218,6 +220,8 @@ def main() -> None:
     ap.add_argument("--requests-per-concurrency", type=int, default=4, help="requests a run per unit of concurrency")
     ap.add_argument("--min-requests", type=int, default=0, help="at least this many requests a run (c1 wants more than 4)")
     ap.add_argument("--port", type=int, default=18731)
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="bench serve's client processes (default: one per 32 streams, at most 4)")
     ap.add_argument("--spin", action="store_true", help="the daemon's loop spins as beside a GPU engine")
     ap.add_argument("--equal-lengths", action="store_true",
                     help="every request runs to --max-tokens (default: lengths drawn from a quarter to all of it)")

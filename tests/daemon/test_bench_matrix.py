@@ -307,6 +307,10 @@ def test_a_closed_loop_split_over_client_processes(tmp_path: Path) -> None:
         out = res["server"]["ttft_outside"]
         assert out["requests"] == 7 and out["before_route"]["p50_ms"] > 0 and out["after_write"]["p50_ms"] > -1, out
         assert out["before_route"]["mean_ms"] + out["after_write"]["mean_ms"] < res["ttft_ms"]["mean"]
+        # before_route in two at the client's HTTP write (its trace marks): both parts are there, the
+        # client's own is not negative, and they add up
+        assert out["client_send"]["p50_ms"] > 0 and out["to_route"]["p50_ms"] > 0, out
+        assert out["client_send"]["mean_ms"] + out["to_route"]["mean_ms"] == pytest.approx(out["before_route"]["mean_ms"])
         assert "TTFT outside the split" in r.stdout
         # The same split over the 4 requests sent after the first wave of 3 (the concurrency).
         assert out["steady"]["requests"] == 4 and res["server"]["ttft_phases_steady"]["requests"] == 4
