@@ -204,7 +204,7 @@ class Generation:
             for c in self.choices:
                 self.client.add(c.rid, c.prompt_ids, c.params, self.sink, c.index)
                 c.submitted = True
-                self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(c.prompt_ids))
+                self.metrics.prompt_tokens_m.inc(len(c.prompt_ids))
         except EngineUnavailable as e:
             self.close()
             raise APIError(503, f"the engine is not available: {e}", headers={"Retry-After": "2"}) from None
