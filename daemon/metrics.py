@@ -127,11 +127,13 @@ class Metrics:
         # request's end touched up to a dozen of them (6-12 us of the daemon's loop on the dev VM).
         self.ttft_m = self.ttft.labels(model_name)
         self.prompt_tokens_m = self.prompt_tokens.labels(model_name)
-        self._ends = tuple(x.labels(model_name) for x in (self.prefix_queries, self.prefix_hits, self.req_prompt,
-                                                          self.req_gen, self.e2e))
-        self._spec_m = tuple(x.labels(model_name) for x in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
-                                                            self.spec_draft_time, self.spec_verify_time,
-                                                            self.spec_accept_len, self.spec_accept_rate))
+        self._queries, self._hits = self.prefix_queries.labels(model_name), self.prefix_hits.labels(model_name)
+        self._prompt, self._gen = self.req_prompt.labels(model_name), self.req_gen.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._drafts, self._draft_tokens = self.spec_drafts.labels(model_name), self.spec_draft_tokens.labels(model_name)
+        self._accepted = self.spec_accepted.labels(model_name)
+        self._draft_time, self._verify_time = self.spec_draft_time.labels(model_name), self.spec_verify_time.labels(model_name)
+        self._accept_len, self._accept_rate = self.spec_accept_len.labels(model_name), self.spec_accept_rate.labels(model_name)
         self._by_reason: dict[str, Any] = {}
         self._per_pos: list[Any] = []  # spec_per_pos's and spec_draft_overhead's series by position, bound as met
         self._overhead: list[Any] = []
@@ -141,23 +143,21 @@ class Metrics:
         if (r := self._by_reason.get(reason)) is None:
             r = self._by_reason[reason] = self.requests.labels(self.model, reason)
         r.inc()
-        queries, hits, prompt, gen, e2e_m = self._ends
-        queries.inc(prompt_tokens)
-        hits.inc(cached_tokens)
-        prompt.observe(prompt_tokens)
-        gen.observe(gen_tokens)
-        e2e_m.observe(e2e)
+        self._queries.inc(prompt_tokens)
+        self._hits.inc(cached_tokens)
+        self._prompt.observe(prompt_tokens)
+        self._gen.observe(gen_tokens)
+        self._e2e.observe(e2e)
         if spec is not None and spec.num_verify:
             self.add_spec(spec)
 
     def add_spec(self, s: SpecStats) -> None:
         m, t = self.model, self._spec
-        drafts, draft_tokens, accepted, draft_time, verify_time, accept_len, accept_rate = self._spec_m
-        drafts.inc(s.num_verify)
-        draft_tokens.inc(s.num_draft_tokens)
-        accepted.inc(s.num_accepted_tokens)
-        draft_time.inc(s.draft_time_s)
-        verify_time.inc(s.verify_time_s)
+        self._drafts.inc(s.num_verify)
+        self._draft_tokens.inc(s.num_draft_tokens)
+        self._accepted.inc(s.num_accepted_tokens)
+        self._draft_time.inc(s.draft_time_s)
+        self._verify_time.inc(s.verify_time_s)
         while len(self._per_pos) < len(s.accepted_per_depth):
             self._per_pos.append(self.spec_per_pos.labels(m, str(len(self._per_pos))))
         for c, n in zip(self._per_pos, s.accepted_per_depth):
@@ -168,9 +168,9 @@ class Metrics:
         t.draft_time_s += s.draft_time_s
         t.verify_time_s += s.verify_time_s
         self._layers = max(self._layers, len(s.accepted_per_depth))
-        accept_len.set(t.accept_len)
+        self._accept_len.set(t.accept_len)
         if t.num_draft_tokens:
-            accept_rate.set(t.num_accepted_tokens / t.num_draft_tokens)
+            self._accept_rate.set(t.num_accepted_tokens / t.num_draft_tokens)
         total = t.draft_time_s + t.verify_time_s
         if total > 0 and self._layers:
             # The engine reports draft time summed over layers; each layer's forward is the same shape.
