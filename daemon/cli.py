@@ -57,6 +57,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
     "prefill_graph_max_tokens": ("engine", "prefill_graph_max_tokens"),
     "prefill_wait_steps": ("engine", "prefill_wait_steps"),
+    "fuse_mixed_steps": ("engine", "fuse_mixed_steps"),
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
     "enable_prefix_cache": ("engine", "enable_prefix_cache"),
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-wait-steps", type=int, default=None,
                     help="steps an arrival may wait for others to share its prefill while requests decode "
                          "(default 0: off)")
+    ap.add_argument("--no-fuse-mixed-steps", dest="fuse_mixed_steps", action="store_const", const=False,
+                    default=None, help="a mixed step runs its prefill and the decode iteration as two forwards "
+                                       "(default: one forward where it fits a prefill graph, target-only)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

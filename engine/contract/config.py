@@ -162,6 +162,11 @@ class EngineConfig(BaseModel):
     # halved the prefill steps yet lowered tok/s and raised TTFT at every concurrency
     # (results/gpu/prefill_wait/); see the README, "Mixed steps".
     prefill_wait_steps: int = Field(0, ge=0, le=64)
+    # A mixed step of a target-only engine runs the arrivals' prompts and the decoding requests' next
+    # tokens as one forward (the decode rows as one-token extends) where that batch fits a prefill graph,
+    # instead of a prefill forward beside the decode iteration: on one H100 an arrival's own forward
+    # added 916 us of kernels to a 893 us decode step (results/gpu/stop52/). False keeps two forwards.
+    fuse_mixed_steps: bool = True
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot

@@ -248,6 +248,7 @@ class Engine:
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
                                    stop_cut=self._stop_cut, overlap=self._overlap(),
                                    prefill_wait=e.prefill_wait_steps)
+        self.worker.fuse_mixed = e.fuse_mixed_steps and self.worker.fuse_mixed
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
         self.observers: list[StepObserver] = []  # called after every step (the engine process's telemetry)
@@ -411,7 +412,7 @@ class Engine:
         primed = self._prime_policy(self.cfg.engine.spec_prime_s)
         self.reset_prefix_cache()
         s, w = self.scheduler, self.worker
-        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = s.num_mixed = s.num_held = 0
+        s.num_steps = s.num_preemptions = s.prefix_queries = s.prefix_hits = s.num_mixed = s.num_fused = s.num_held = 0
         # The speculation policy forgets the warm-up's prompts (their acceptance), on every rank alike,
         # but keeps what it timed.
         w.reset_counters(primed)
@@ -512,7 +513,7 @@ class Engine:
                 "tp_size": self.tp.size, "tp_layout": self.cfg.engine.tp_layout if self.tp.size > 1 else None,
                 "prefix_cache": self.prefix_cache_stats(),
                 "spec_policy": policy.snapshot() if policy is not None else None,
-                "mixed_steps": sch.num_mixed, "held_prefill_steps": sch.num_held,
+                "mixed_steps": sch.num_mixed, "fused_mixed_steps": sch.num_fused, "held_prefill_steps": sch.num_held,
                 "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
                 "cpu_packed_linear": self.packed_linear,
                 # host seconds blocked on the device since start (on a CPU engine, 0)

@@ -140,6 +140,9 @@ class Pending:
     cons: list[Any] | None = None
     cuts: list[Any] | None = None
     deferred: Callable[[], None] | None = None
+    # KV positions each request's host length gains at `finish` (None: its emitted count): a fused mixed
+    # step's prefill rows gained theirs at launch and their first token has no KV yet, so 0 there.
+    kv_add: list[int] | None = None
 
 
 @dataclass

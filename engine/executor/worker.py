@@ -87,6 +87,9 @@ class GraphSettings:
 
 class TargetWorker:
     lookahead = 1
+    # A mixed step may run as one forward (`can_fuse`, `launch_mixed`): one token a decoding row, which
+    # only target-only decoding has (the engine turns it off with `fuse_mixed_steps`).
+    fuse_mixed = True
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
                  vocab: int = 0, max_reqs: int = 0, steps: int = 0):
@@ -461,6 +464,75 @@ class TargetWorker:
             self._first = (p, [results[i] for i in first])
         return results
 
+    # --- the fused mixed step (target-only) ---------------------------------------------------------
+    def can_fuse(self, decode: list[Req], reqs: list[Req], chunks: list[int]) -> bool:
+        """May the prefill of `reqs` run in one forward with the next token of each `decode` request?
+        Target-only (one token a decoding row, so the host knows every row's KV length while an
+        iteration is in flight), every prompt completing here and sampling its first token, no grammar
+        or prompt logprobs, and the batch on a captured prefill graph where the runner has them (an
+        eager forward of it would cost more than the decode rows' whole-iteration graph saves)."""
+        if not self.fuse_mixed or not decode:
+            return False
+        for r, c in zip(reqs, chunks):
+            if (r.kv_len + c < r.prefill_len or r.output_ids or r.constraint is not None
+                    or r.params.prompt_logprobs is not None):
+                return False
+        if any(r.constraint is not None for r in decode):
+            return False
+        g = self.target.extend_graphs
+        if not isinstance(g, ExtendGraphRunner):
+            return g is None
+        t = g.bucket(len(decode) + sum(chunks), len(decode) + len(reqs))
+        return t is not None and t in g.caps
+
+    def launch_mixed(self, decode: list[Req], inflight: Pending | None, reqs: list[Req], chunks: list[int]) -> Pending:
+        """One forward over the decoding requests' next tokens (one-token extends, first) and the
+        arrivals' prompts (`can_fuse` said it may), sampled and committed like an iteration and a
+        prefill's first tokens, with one copy back: the mixed step of a target-only engine. `inflight`
+        is the iteration still on the device, whose rows' KV lengths there are one past the host's (a
+        fused step's prefill rows: none past). The arrivals' host lengths advance now."""
+        timer = Timer(self.device)
+        timer.mark()
+        self.admit(reqs)
+        ahead: dict[int, int] = {}
+        if inflight is not None:
+            adds = inflight.kv_add or [1] * len(inflight.reqs)
+            ahead = {id(r): a for r, a, e in zip(inflight.reqs, adds, inflight.epoch) if r.epoch == e}
+        n = len(decode)
+        every = [*decode, *reqs]
+        ids = [0] * n
+        for r, c in zip(reqs, chunks):
+            ids += r.fill_ids[r.kv_len : r.kv_len + c]
+        b = build_batch(ForwardMode.EXTEND, input_ids=ids,
+                        req_pool_indices=[r.req_pool_idx for r in every],  # type: ignore[misc]
+                        prefix_lens=[r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
+                        extend_lens=[1] * n + list(chunks), req_to_token=self.r2t, device=self.device,
+                        rids=tuple(r.rid for r in every))
+        rpi = b.req_pool_indices
+        # The decoding rows' inputs are the tokens the iteration in flight commits on the device. A new
+        # tensor object, so the prefill graph copies the ids from the device rather than the host's zeros.
+        ids_d = b.input_ids.view(-1)
+        torch.index_select(self.state.last_tok, 0, rpi[:n], out=ids_d[:n])
+        batch = self.target.bind(dataclasses.replace(b, input_ids=ids_d))
+        out = self.target.forward(batch)
+        self.last_batch = batch
+        self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
+        for r, c in zip(reqs, chunks):
+            r.kv_len += c
+        flags = self.state.flags([r.req_pool_idx for r in every], every)  # type: ignore[misc]
+        flags = self.constrain.begin(every, flags)
+        tok = self._sample(out.logits, rpi, flags)
+        lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+        one = torch.ones_like(tok)
+        self.state.commit(rpi[:n], tok[:n].view(-1, 1), one[:n], flags)
+        self.state.set_kv_len(rpi[n:], b.seq_lens[n:])
+        self.state.commit_first(rpi[n:], tok[n:], flags)
+        timer.mark()
+        p = self._send(every, 1, flags, pack(tok.view(-1, 1), one, lp, 1), timer)
+        p.kv_add = [1] * n + [0] * len(reqs)
+        p.iteration_miss = "fused with a prefill"
+        return p
+
     def settle_prefill(self) -> None:
         """Fill in the first tokens of the last prefill's results (waiting for their copy, if still on its
         way). The scheduler calls it before it applies a step's results, after launching the next
@@ -675,11 +747,12 @@ class TargetWorker:
             device_wait.wait(p.done)
         self.inflight -= 1
         res = []
-        for r, e, (toks, lps) in zip(p.reqs, p.epoch, unpack(p)):
+        add = p.kv_add
+        for i, (r, e, (toks, lps)) in enumerate(zip(p.reqs, p.epoch, unpack(p))):
             if r.finished or r.epoch != e:
                 res.append(StepResult())
                 continue
-            r.kv_len += len(toks)
+            r.kv_len += len(toks) if add is None else add[i]
             res.append(StepResult(toks, lps))
         cuts = p.cuts
         if p.cons is not None:  # the matchers take the masked graph's tokens now

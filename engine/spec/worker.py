@@ -126,6 +126,10 @@ class IterationStats:
 
 
 class SpecWorker(TargetWorker):
+    # A verify row's accepted count is known only once its iteration finishes, so a mixed step keeps
+    # the prefill beside the iteration (two forwards), never fused.
+    fuse_mixed = False
+
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(), vocab: int = 0,
                  max_reqs: int = 0, prefix_cache: bool = False, policy: str = "always", tp_size: int = 1,

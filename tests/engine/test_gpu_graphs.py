@@ -277,3 +277,23 @@ def test_the_draft_fill_graph_equals_the_per_layer_fill_at_every_token_bucket() 
     """The draft fill as one graph against the per-layer path, every token bucket up to 512, float32."""
     e = _engine("random:3", prefill_graph_max_tokens=512)
     assert check_fill_buckets(e) == 6
+
+
+def test_a_fused_mixed_step_equals_two_forwards_on_cuda() -> None:
+    """On real CUDA graphs (overlap on), arrivals every other step while others decode: the fused mixed
+    step (one EXTEND on a prefill graph for the arrivals and the decoding rows' next tokens, their ids
+    copied from the device) gives the same greedy and seeded output as the two-forward mixed step,
+    float32, and every pool comes back free."""
+    from tests.engine.test_overlap import _staggered
+
+    two = _engine("none", fuse_mixed_steps=False)
+    one = _engine("none")
+    assert one.scheduler.overlap and two.scheduler.overlap
+    prompts = [*PROMPTS, list(range(60, 110)), list(range(5, 40))]
+    sps = [SamplingParams(temperature=0, max_new_tokens=12 + 3 * i) for i in range(len(prompts))]
+    sps[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_new_tokens=30, logprobs=1)
+    want, _ = _staggered(two, prompts, sps, every=2)
+    got, _ = _staggered(one, prompts, sps, every=2)
+    assert got == want
+    assert one.stats()["fused_mixed_steps"] >= len(prompts) // 2 and two.stats()["fused_mixed_steps"] == 0
+    assert all_free(one) and all_free(two)
