@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-wait-steps", type=int, default=None,
                     help="steps an arrival may wait for others to share its prefill while requests decode "
                          "(default 0: off)")
-    ap.add_argument("--no-fuse-mixed-steps", dest="fuse_mixed_steps", action="store_const", const=False,
-                    default=None, help="a mixed step runs its prefill and the decode iteration as two forwards "
-                                       "(default: one forward where it fits a prefill graph, target-only)")
+    ap.add_argument("--fuse-mixed-steps", dest="fuse_mixed_steps", action="store_const", const=True,
+                    default=None, help="target-only: run a mixed step's prefill and the decoding rows' next tokens "
+                                       "as one forward where it fits a prefill graph (default: two forwards)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

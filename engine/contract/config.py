@@ -162,11 +162,14 @@ class EngineConfig(BaseModel):
     # halved the prefill steps yet lowered tok/s and raised TTFT at every concurrency
     # (results/gpu/prefill_wait/); see the README, "Mixed steps".
     prefill_wait_steps: int = Field(0, ge=0, le=64)
-    # A mixed step of a target-only engine runs the arrivals' prompts and the decoding requests' next
+    # A mixed step of a target-only engine may run the arrivals' prompts and the decoding requests' next
     # tokens as one forward (the decode rows as one-token extends) where that batch fits a prefill graph,
-    # instead of a prefill forward beside the decode iteration: on one H100 an arrival's own forward
-    # added 916 us of kernels to a 893 us decode step (results/gpu/stop52/). False keeps two forwards.
-    fuse_mixed_steps: bool = True
+    # instead of a prefill forward beside the decode iteration (an arrival's own forward added 916 us of
+    # kernels to a 893 us decode step on one H100). Off: served there at c32 it made 0.97x the tok/s of
+    # two forwards and doubled the first token's engine time (results/gpu/stop52/fuse_ab.md): the
+    # arrival's first token comes out of the next iteration instead of before it, and the decoding rows
+    # leave their whole-iteration graph for a prefill graph plus eager sampling and commits.
+    fuse_mixed_steps: bool = False
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot

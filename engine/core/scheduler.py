@@ -24,13 +24,14 @@ a long prompt, on its prefill graph where it fits) runs behind N on the stream, 
 every decoding request, the ones whose prefill just completed included (their first tokens are on the
 device already), and N is finished; only then does the host read the prefill's first tokens
 (`settle_prefill`). Nothing in the step waits for the device before N+1 is queued, so an arrival costs
-the decoding requests the prefill's own time, and the whole-iteration graph keeps running. Target-only,
-where the batch fits a prefill graph, the mixed step is one forward instead (`TargetWorker.launch_mixed`):
-N+1 is an EXTEND over the decoding requests' next tokens (one-token extends, their ids taken on the
-device from N's commit, their KV lengths the host's plus N's one token) and the arrivals' prompts,
-sampled and committed as an iteration and first tokens are; the arrivals decode from N+2. A prefill's
-forward costs about what a decode iteration does on a small model (30 layers of 2-4 us kernels), so
-this halves an arrival's device time.
+the decoding requests the prefill's own time, and the whole-iteration graph keeps running. With
+`fuse_mixed_steps` (target-only, off by default), where the batch fits a prefill graph the mixed step is
+one forward instead (`TargetWorker.launch_mixed`): N+1 is an EXTEND over the decoding requests' next
+tokens (one-token extends, their ids taken on the device from N's commit, their KV lengths the host's
+plus N's one token) and the arrivals' prompts, sampled and committed as an iteration and first tokens
+are; the arrivals decode from N+2. It saves the arrival's second forward, but its first token then
+comes out of N+1 rather than before it, and the decoding rows leave their whole-iteration graph: served
+on one H100 it did not pay (see the engine config's comment).
 With a constrained request running, a grammar-masked iteration N+1 launches its forward half before
 N is finished and the rest after (its masks need N's tokens in the matchers); other constrained
 batches do not overlap. Anything else — preemption, an abort, an iteration whose draft layers must

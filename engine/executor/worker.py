@@ -88,7 +88,7 @@ class GraphSettings:
 class TargetWorker:
     lookahead = 1
     # A mixed step may run as one forward (`can_fuse`, `launch_mixed`): one token a decoding row, which
-    # only target-only decoding has (the engine turns it off with `fuse_mixed_steps`).
+    # only target-only decoding has; the engine sets it from `fuse_mixed_steps` (off by default).
     fuse_mixed = True
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),

@@ -286,8 +286,8 @@ def test_a_fused_mixed_step_equals_two_forwards_on_cuda() -> None:
     float32, and every pool comes back free."""
     from tests.engine.test_overlap import _staggered
 
-    two = _engine("none", fuse_mixed_steps=False)
-    one = _engine("none")
+    two = _engine("none")
+    one = _engine("none", fuse_mixed_steps=True)
     assert one.scheduler.overlap and two.scheduler.overlap
     prompts = [*PROMPTS, list(range(60, 110)), list(range(5, 40))]
     sps = [SamplingParams(temperature=0, max_new_tokens=12 + 3 * i) for i in range(len(prompts))]
