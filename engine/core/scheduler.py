@@ -153,9 +153,10 @@ class Scheduler:
                 fused = False
                 if batch is not None:
                     reqs, chunks = batch
-                    # Target-only, the arrivals' prompts and the decoding rows' next tokens as one forward
-                    # (the arrivals, still prefilling, are not in `ready` yet): they decode from the next.
-                    ready = self._decode_ready(self.worker.lookahead * 2)
+                    # With `fuse_mixed_steps`, the arrivals' prompts and the decoding rows' next tokens as
+                    # one forward (the arrivals, still prefilling, are not in `ready` yet): they decode
+                    # from the next.
+                    ready = self._decode_ready(self.worker.lookahead * 2) if self.worker.fuse_mixed else None
                     fused = ready is not None and bool(ready) and self.worker.can_fuse(ready, reqs, chunks)
                     if fused:
                         assert ready is not None
