@@ -747,13 +747,16 @@ class TargetWorker:
             device_wait.wait(p.done)
         self.inflight -= 1
         res = []
-        add = p.kv_add
-        for i, (r, e, (toks, lps)) in enumerate(zip(p.reqs, p.epoch, unpack(p))):
+        for r, e, (toks, lps) in zip(p.reqs, p.epoch, unpack(p)):
             if r.finished or r.epoch != e:
                 res.append(StepResult())
                 continue
-            r.kv_len += len(toks) if add is None else add[i]
+            r.kv_len += len(toks)
             res.append(StepResult(toks, lps))
+        if p.kv_add is not None:  # a fused mixed step's: its prefill rows' first tokens have no KV yet
+            for r, a, x in zip(p.reqs, p.kv_add, res):
+                if x.tokens:
+                    r.kv_len += a - len(x.tokens)
         cuts = p.cuts
         if p.cons is not None:  # the matchers take the masked graph's tokens now
             cuts = self.constrain.commit_rows([x.tokens for x in res], p.cons)
