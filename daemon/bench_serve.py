@@ -373,9 +373,9 @@ def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return out
 
 
-# `outside_split`'s parts: before the route (split into the client's send and what follows it) and
-# after the write
-OUTSIDE = ("before_route", "after_write", "client_send", "to_route")
+# `outside_split`'s parts, in a request's order: before the route (then that again in two, the client's
+# send and what follows it), and after the write
+OUTSIDE = ("before_route", "client_send", "to_route", "after_write")
 
 
 def outside_split(results: list[Result], ph: dict[str, Any] | None, first_wave: int = 0) -> dict[str, Any] | None:
@@ -396,15 +396,19 @@ def outside_split(results: list[Result], ph: dict[str, Any] | None, first_wave: 
     n = len(ph["names"])
     marks = {r[1 + n]: (r[2 + n], r[3 + n]) for r in ph["recent"] if len(r) >= n + 4}
     def split(rs: list[Result]) -> dict[str, Any] | None:
-        got = [(r.ttft, marks[r.id][0] - r.t_send, r.t_first - marks[r.id][1],
-                (r.t_sent or r.t_send) - r.t_send, marks[r.id][0] - (r.t_sent or r.t_send)) for r in rs
-               if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
+        def parts(r: Result) -> dict[str, float]:
+            route, written = marks[r.id]
+            sent = r.t_sent or r.t_send  # (no trace mark: all of it counts as the daemon's side)
+            return {"ttft": r.ttft, "before_route": route - r.t_send, "client_send": sent - r.t_send,
+                    "to_route": route - sent, "after_write": r.t_first - written}
+
+        got = [parts(r) for r in rs if r.ok and r.id and r.id in marks and r.t_send and r.t_first]
         if not got:
             return None
-        slow = _slowest_tenth(got, key=lambda g: g[0])
+        slow = _slowest_tenth(got, key=lambda g: g["ttft"])
         out: dict[str, Any] = {"requests": len(got)}
-        for i, k in enumerate(OUTSIDE, 1):
-            out[k] = _tail_stats([g[i] for g in got], [g[i] for g in slow])
+        for k in OUTSIDE:
+            out[k] = _tail_stats([g[k] for g in got], [g[k] for g in slow])
         return out
 
     out = split(results)

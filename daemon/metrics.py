@@ -117,14 +117,11 @@ class Metrics:
         r.register(self.tokens)
         self.phases = TtftPhases(model_name)  # where each request's time to first token went
         r.register(self.phases)
-        # Create the per-model series at zero, so a scrape lists every metric before any traffic.
-        for m in (self.prompt_tokens, self.running, self.waiting, self.ttft, self.e2e, self.req_prompt, self.req_gen,
-                  self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_accept_len,
-                  self.spec_accept_rate, self.spec_draft_time, self.spec_verify_time, self.prefix_queries,
-                  self.prefix_hits):
-            m.labels(model_name)
-        # The series every request ends in, bound once: `labels()` costs a locked dict lookup, and a
-        # request's end touched up to a dozen of them (6-12 us of the daemon's loop on the dev VM).
+        # The per-model series exist at zero from here, so a scrape lists every metric before any traffic.
+        # Those a request touches are bound once: `labels()` costs a locked dict lookup, and a request's
+        # end touched up to a dozen of them (6-12 us of the daemon's loop on the dev VM).
+        self.running.labels(model_name)
+        self.waiting.labels(model_name)
         self.ttft_m = self.ttft.labels(model_name)
         self.prompt_tokens_m = self.prompt_tokens.labels(model_name)
         self._queries, self._hits = self.prefix_queries.labels(model_name), self.prefix_hits.labels(model_name)
@@ -152,15 +149,14 @@ class Metrics:
             self.add_spec(spec)
 
     def add_spec(self, s: SpecStats) -> None:
-        m, t = self.model, self._spec
+        t = self._spec
         self._drafts.inc(s.num_verify)
         self._draft_tokens.inc(s.num_draft_tokens)
         self._accepted.inc(s.num_accepted_tokens)
         self._draft_time.inc(s.draft_time_s)
         self._verify_time.inc(s.verify_time_s)
-        while len(self._per_pos) < len(s.accepted_per_depth):
-            self._per_pos.append(self.spec_per_pos.labels(m, str(len(self._per_pos))))
-        for c, n in zip(self._per_pos, s.accepted_per_depth):
+        for c, n in zip(self._by_position(self._per_pos, self.spec_per_pos, len(s.accepted_per_depth)),
+                        s.accepted_per_depth):
             c.inc(n)
         t.num_verify += s.num_verify
         t.num_draft_tokens += s.num_draft_tokens
@@ -174,11 +170,15 @@ class Metrics:
         total = t.draft_time_s + t.verify_time_s
         if total > 0 and self._layers:
             # The engine reports draft time summed over layers; each layer's forward is the same shape.
-            while len(self._overhead) < self._layers:
-                self._overhead.append(self.spec_draft_overhead.labels(m, str(len(self._overhead))))
             share = t.draft_time_s / self._layers / total
-            for c in self._overhead[:self._layers]:
+            for c in self._by_position(self._overhead, self.spec_draft_overhead, self._layers):
                 c.set(share)
+
+    def _by_position(self, bound: list[Any], metric: Any, n: int) -> list[Any]:
+        """`metric`'s series of positions 0..n-1 (label `str(position)`), bound on first use into `bound`."""
+        while len(bound) < n:
+            bound.append(metric.labels(self.model, str(len(bound))))
+        return bound[:n]
 
     def set_pools(self, usage: list[dict[str, Any]]) -> None:
         for u in usage:

@@ -1,6 +1,6 @@
 """scripts/arrival_kernels.py end to end on the CPU (CPU operators instead of CUDA kernels: the plumbing,
-not a figure): both phases profiled, their time a step positive, the arrival phase running the prefill's
-operators the decode phase does not, and the JSON written."""
+not a figure): both phases profiled over the model's forwards, their time a step positive, and the
+JSON and the table written."""
 
 from __future__ import annotations
 
@@ -24,4 +24,8 @@ def test_arrival_kernels_profiles_both_phases(tmp_path: Path) -> None:
     assert alone["us_per_step"] > 0 and mixed["us_per_step"] > 0
     assert res["arrival_us_per_step"] == mixed["us_per_step"] - alone["us_per_step"]
     assert all(k["calls_per_step"] > 0 and k["us_per_step"] > 0 for k in alone["kernels"] + mixed["kernels"])
+    # Each phase profiled the model's forwards (a step without them would be a profile of nothing):
+    # its matrix products ran at least once a step.
+    for ph in (alone, mixed):
+        assert any(("linear" in k["name"] or "mm" in k["name"]) and k["calls_per_step"] >= 1 for k in ph["kernels"]), ph
     assert "an arrival adds" in r.stdout and "decoding alone" in r.stdout
