@@ -13,8 +13,8 @@ timed apart, and with `--events` the state events the engine process attaches (i
 and the pump that publishes them, sampled as `mleagle serve` starts them, no subscriber) are taken
 out of the host figure and timed apart too. Then 100 arrivals of 60 tokens at an idle engine, one at
 a time: the host time of each one's prefill step beside its forward (a served first token's engine
-part), and that step in its parts (`PREFILL_PARTS`: scheduling with the KV pages, the slot-state
-rows, the batch, the forward, the first token's sampling, the wait for its copy, the rest), with the
+part), and that step in its parts (`PREFILL_PARTS`: scheduling with the KV pages, the input (the
+slot-state rows and the batch, or on a prefill graph both staged in one copy), the forward, the first token's sampling, the wait for its copy, the rest), with the
 prefix cache empty at the start of each repeat, or with `--cache full` full of other prompts so that
 every arrival evicts (a server that has run a while; `--pool-tokens` sets the pool's size). Then what
 an arrival costs a running batch of the largest size less one (`arrivals`: phases with and without an
@@ -90,15 +90,17 @@ def one(e: Any, bs: int, seed: int, acc: list[float], pump: Any = None) -> dict[
 
 
 # The parts of a lone arrival's prefill step, in the order it runs them: (name, class path, method,
-# whether it is top-level; `kv pages` is inside `schedule`). Beside them the forward is the model
+# whether it is top-level; `kv pages` is inside `schedule`; `admit` and `build batch` inside `input`, the
+# admission and the batch, which a prefill graph takes staged instead, neither called). Beside them the forward is the model
 # runner's (on a GPU the launch of its graph); `first token` is its sampling and the copy back started;
 # `settle` waits for that copy (on a GPU, for the device); `rest` is the step less the forward and the
 # top-level parts (scheduling bookkeeping, the deltas).
 PREFILL_PARTS = [
     ("schedule", "mleagle.engine.core.scheduler:Scheduler", "_schedule_prefill", True),
     ("kv pages", "mleagle.engine.memory.manager:MemoryManager", "ensure", False),
-    ("admit", "mleagle.engine.executor.worker:TargetWorker", "admit", True),
-    ("build batch", "mleagle.engine.executor.worker:TargetWorker", "prefill_batch", True),
+    ("input", "mleagle.engine.executor.worker:TargetWorker", "prefill_input", True),
+    ("admit", "mleagle.engine.executor.worker:TargetWorker", "admit", False),
+    ("build batch", "mleagle.engine.executor.worker:TargetWorker", "prefill_batch", False),
     ("first token", "mleagle.engine.executor.worker:TargetWorker", "finish_prefill", True),
     ("settle", "mleagle.engine.executor.worker:TargetWorker", "settle_prefill", True),
 ]

@@ -387,6 +387,15 @@ def check_extend_buckets(e: Engine, rtol: float = 1e-4) -> int:
             assert torch.allclose(got_l, ref.logits, rtol=rtol, atol=rtol), (runner.name, t, (got_l - ref.logits).abs().max())
             assert torch.allclose(got_h, ref.hidden, rtol=rtol, atol=rtol), (runner.name, t)
             assert torch.equal(got_l.argmax(-1), ref.logits.argmax(-1))
+            if g.tail is not None:  # the target's first-token tail: each request's greedy token
+                assert rep.tokens is not None and torch.equal(rep.tokens, ref.logits.argmax(-1))
+                # The same batch staged from host lists (no commits asked): the same forward.
+                st = g.stage(ids.tolist(), [r.req_pool_idx for r in rs], [r.kv_len for r in rs], lens)
+                assert st is not None
+                out = runner.forward(st)
+                assert torch.equal(st.out_cache_loc, b.out_cache_loc) and torch.equal(st.positions, b.positions)
+                assert torch.allclose(out.logits, ref.logits, rtol=rtol, atol=rtol), (runner.name, t, "staged")
+                assert out.tokens is not None and torch.equal(out.tokens, ref.logits.argmax(-1))
             checked += 1
     for i in range(3):
         e.abort(f"x{i}")

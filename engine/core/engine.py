@@ -515,6 +515,8 @@ class Engine:
                 "spec_policy": policy.snapshot() if policy is not None else None,
                 "mixed_steps": sch.num_mixed, "fused_mixed_steps": sch.num_fused, "held_prefill_steps": sch.num_held,
                 "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
+                # first tokens sampled and committed inside a prefill graph (plain greedy prompts on one)
+                "graph_first_tokens": self.worker.graph_first_tokens,
                 "cpu_packed_linear": self.packed_linear,
                 # host seconds blocked on the device since start (on a CPU engine, 0)
                 "device_wait_s": round(device_wait.seconds, 6)}

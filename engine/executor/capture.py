@@ -123,9 +123,13 @@ def held_output(store: dict[int, ForwardOutput], key: int, out: ForwardOutput) -
     """An emulated replay's output copied into bucket `key`'s own tensors, which its next replay
     rewrites as a graph's are: a caller that keeps a view past that fails on the CPU too."""
     held = store.get(key)
-    if held is None or held.logits.shape != out.logits.shape or held.hidden.shape != out.hidden.shape:
-        held = store[key] = ForwardOutput(out.logits.clone(), out.hidden.clone())
+    if (held is None or held.logits.shape != out.logits.shape or held.hidden.shape != out.hidden.shape
+            or (held.tokens is None) != (out.tokens is None)):
+        held = store[key] = ForwardOutput(out.logits.clone(), out.hidden.clone(),
+                                          tokens=out.tokens.clone() if out.tokens is not None else None)
     else:
         held.logits.copy_(out.logits)
         held.hidden.copy_(out.hidden)
+        if held.tokens is not None and out.tokens is not None:
+            held.tokens.copy_(out.tokens)
     return held

@@ -6,10 +6,14 @@ runner's EXTEND forward for token buckets (16, 32, 64, ... up to the configured 
 number of request slots per bucket (`slots(T)`: the bucket's tokens or the engine's request slots,
 whichever is fewer), as SGLang's prefill graphs do. A live batch of t tokens over b requests is copied
 into the fixed buffers of the smallest bucket T >= t with b <= slots(T) (the bucket's integer inputs in
-one copy from the host values the batch was built with, padding included): the padding tokens after the
-live ones carry position 0 and slot 0 (the reserved pad slot), so they write only the pad slot; the
-padding requests are zero-length (no query rows, no keys, the pad request row), so they read and
-write nothing. Each request's query offset and length live in device buffers the attention kernel
+one copy from the host values the batch was built with, padding included), or written there straight
+from the worker's host lists (`stage`: no batch built, nothing uploaded but that one copy). Each token
+row's KV slot is read from the request-to-token map inside the graph; the padding tokens after the live
+ones carry position 0 on the pad row, so they write only the pad slot; the padding requests are
+zero-length (no query rows, no keys, the pad request row), so they read and write nothing. The target's
+graph ends with a tail (`TargetWorker.graph_tail`): the admitted requests' slot-state rows, each
+request's greedy first token and, where the staged rows ask, its commit and KV length, so a plain
+prompt's first token needs no host operation between the copy in and the copy back. Each request's query offset and length live in device buffers the attention kernel
 reads (`ForwardBatch.extend_start` / `extend_lens_t`), and its grid is sized by the bucket, so one
 capture holds for any split of the bucket's tokens among its slots. Logit rows are each request's last
 token (pad requests point at row 0) and are cut back to the live requests after the replay.
@@ -25,11 +29,12 @@ eager forward: the CPU tests exercise everything but the graph itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets
+from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets, held_output
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -39,8 +44,9 @@ from mleagle.engine.executor.forward_batch import (
     check_binding,
     row_meta,
 )
-from mleagle.engine.executor.graph_runner import replay
 from mleagle.engine.executor.runner import ModelRunner
+
+Tail = Callable[[ForwardBatch, ForwardOutput, torch.Tensor], torch.Tensor]
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -64,8 +70,12 @@ class ExtendGraphRunner:
 
     def __init__(self, runner: ModelRunner, *, buckets: list[int], max_reqs: int, hidden_size: int,
                  dtype: torch.dtype, emulate: bool = False, pool: object | None = None, tp_size: int = 1,
-                 layout: Layout = "all_reduce"):
+                 layout: Layout = "all_reduce", tail: Tail | None = None, tail_rows: int = 0):
         self.runner = runner
+        # The target's tail (`TargetWorker.graph_tail`): run in the graph after the forward, on (the bucket's
+        # view, its output, `tail_rows` integer rows per request slot that `stage` filled) -> each slot's
+        # greedy token. None for a draft runner.
+        self.tail, self.tail_rows = tail, tail_rows if tail is not None else 0
         self.buckets = sorted(set(buckets))
         self.max_reqs = max_reqs
         self.emulate, self.pool = emulate, pool
@@ -85,6 +95,9 @@ class ExtendGraphRunner:
         for f in self._fields.values():
             f["rpi"].fill_(self.pad_row)
         self.hidden_in = torch.zeros(self.buckets[-1], hidden_size, dtype=dtype, device=dev) if hidden_size else None
+        self.r2t = r2t.req_to_token
+        self.loc = torch.zeros(self.buckets[-1], dtype=torch.int64, device=dev)  # written by the graph itself
+        self._staged: tuple[ForwardBatch, ForwardBatch] | None = None  # (the live batch, its bucket's view)
         self._views: dict[int, ForwardBatch] = {}
         self.caps: dict[int, Capture[RowMeta, ForwardOutput]] = {}
         self.stats = GraphStats()
@@ -92,11 +105,13 @@ class ExtendGraphRunner:
 
     # --- shapes -------------------------------------------------------------------------------
     def _layout(self, t: int) -> dict[str, tuple[int, int]]:
-        """(offset, length) of each field in bucket t's `ints`: the token rows', then the request slots'
+        """(offset, length) of each field in bucket t's `ints`: the token rows' (id, position, request
+        row: the KV slot is read from the request-to-token map inside the graph), then the request slots'
         (`meta`: per slot the KV length after the forward, the first query row, the rows; zero rows for
-        a pad request)."""
+        a pad request; `tail`: the tail's rows, zeros unless `stage` fills them)."""
         r = self.slots(t)
-        sizes = {"input_ids": t, "positions": t, "out_cache_loc": t, "rpi": r, "logit_rows": r, "meta": 3 * r}
+        sizes = {"input_ids": t, "positions": t, "row_req": t, "rpi": r, "logit_rows": r, "meta": 3 * r,
+                 "tail": self.tail_rows * r}
         out, o = {}, 0
         for k, n in sizes.items():
             out[k] = (o, n)
@@ -124,7 +139,7 @@ class ExtendGraphRunner:
             meta = f["meta"]
             v = ForwardBatch(
                 mode=ForwardMode.EXTEND, input_ids=f["input_ids"], positions=f["positions"],
-                out_cache_loc=f["out_cache_loc"], req_pool_indices=f["rpi"], seq_lens=meta[0],
+                out_cache_loc=self.loc[:t], req_pool_indices=f["rpi"], seq_lens=meta[0],
                 extend_lens=[0] * self.slots(t), prefix_lens=[0] * self.slots(t), logit_rows=f["logit_rows"],
                 binding=self.runner.binding, hidden_in=self.hidden_in[:t] if self.hidden_in is not None else None,
                 max_seq_len=0, graph_bs=t, extend_start=meta[1], extend_lens_t=meta[2], max_extend=t)
@@ -140,19 +155,20 @@ class ExtendGraphRunner:
 
         The bucket's integer buffer is written whole from one host array in one non-blocking copy: the batch's
         host values where `build_batch` left them (`ForwardBatch.host`), padding everywhere else (token
-        rows on position 0 and slot 0, request slots on the pad row with no rows). Only what the host
-        does not hold follows as a device copy each: the KV slots (gathered on the device from the
-        request-to-token map), and a field replaced since the batch was built (a draft's input ids),
-        and a draft's hidden states. On a GPU each small copy or fill costs the host a launch; this was
-        one per field and padding range before."""
+        rows on position 0 and the pad row, so their KV slot is the pad slot; request slots on the pad row
+        with no rows). Only what the host does not hold follows as a device copy each: a field replaced
+        since the batch was built (a draft's input ids), and a draft's hidden states. The KV slots are
+        not copied at all: the graph reads them from the request-to-token map. On a GPU each small copy
+        or fill costs the host a launch; this was one per field and padding range before. A batch built
+        by `stage` is in the buffers already."""
+        if batch is not None and self._staged is not None and self._staged[0] is batch:
+            return self._staged[1]
         base = self.view(t)
         r = self.slots(t)
         n, bs = (batch.num_tokens, batch.bs) if batch is not None else (0, 0)
         if batch is not None and self.hidden_in is not None and batch.hidden_in is None:
             raise ValueError("a draft prefill batch without input hidden states")
-        out = np.zeros(self.ints[t].shape[0], dtype=np.int64)
-        v = {k: out[a : a + m] for k, (a, m) in self._layouts[t].items()}
-        meta = v["meta"].reshape(3, r)
+        out, v, meta = self._host_buffer(t)
         f = self._fields[t]
         later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, device tensor) copied after the packed copy
         if batch is not None:
@@ -167,13 +183,17 @@ class ExtendGraphRunner:
                     later.append((f[name][:m], dev))
                 else:
                     v[name][:m] = got
-            later.append((f["out_cache_loc"][:n], batch.out_cache_loc))
             ext = np.asarray(batch.extend_lens, dtype=np.int64)
+            rr = h.fields.get("row_req") if h is not None else None
+            if rr is not None:
+                v["row_req"][:n] = rr[0]
+            else:  # (every EXTEND batch is built by `build_batch`, which keeps it; a view made otherwise)
+                later.append((f["row_req"][:n], torch.repeat_interleave(
+                    batch.req_pool_indices, torch.from_numpy(ext).to(batch.req_pool_indices.device))))
             meta[0, :bs] = np.asarray(batch.prefix_lens, dtype=np.int64) + ext
             meta[1, :bs] = np.cumsum(ext) - ext
             meta[2, :bs] = ext
-        v["rpi"][bs:] = self.pad_row
-        meta[1, bs:] = n  # padding requests start after the live rows, with none
+        self._pad(v, meta, n, bs)
         self.ints[t].copy_(torch.from_numpy(out), non_blocking=True)
         for dst, src in later:
             dst.copy_(src)
@@ -187,6 +207,64 @@ class ExtendGraphRunner:
                                    prefix_lens=list(batch.prefix_lens) + pad, rids=batch.rids,
                                    max_seq_len=batch.max_seq_len)
 
+    def _host_buffer(self, t: int) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+        """A zeroed host image of bucket t's integer buffer, its fields' views, and `meta` as [3, slots]."""
+        out = np.zeros(self.ints[t].shape[0], dtype=np.int64)
+        v = {k: out[a : a + m] for k, (a, m) in self._layouts[t].items()}
+        return out, v, v["meta"].reshape(3, self.slots(t))
+
+    def _pad(self, v: dict[str, np.ndarray], meta: np.ndarray, n: int, bs: int) -> None:
+        """Padding in a host image past n live tokens and bs live requests (the rest is zeros)."""
+        v["row_req"][n:] = self.pad_row  # the pad row's position 0: the pad slot
+        v["rpi"][bs:] = self.pad_row
+        meta[1, bs:] = n  # padding requests start after the live rows, with none
+
+    def stage_bucket(self, tokens: int, bs: int) -> int | None:
+        """The captured bucket `stage` would put a batch of `tokens` tokens over `bs` requests in, or None."""
+        t = self.bucket(tokens, bs)
+        return t if tokens > 0 and t is not None and t in self.caps else None
+
+    def stage(self, ids: list[int], rpi: list[int], prefix_lens: list[int], extend_lens: list[int],
+              tail: np.ndarray | None = None, rids: tuple[str, ...] = ()) -> ForwardBatch | None:
+        """A prefill batch written straight into its bucket's buffers from host lists (one copy, no
+        `build_batch`: no uploads of its own, no KV-slot gather), or None where no captured bucket holds
+        it. The returned batch is live-sized views of those buffers (its KV slots valid once it has run),
+        and `run` replays it without copying anything. `tail` [tail_rows, requests] goes into the tail's
+        rows (zeros where None: a tail that does nothing). Meant for an immediate `forward`: the next
+        staging or static batch of the bucket overwrites the buffers."""
+        n, bs = len(ids), len(rpi)
+        t = self.stage_bucket(n, bs)
+        if t is None:
+            return None
+        out, v, meta = self._host_buffer(t)
+        el = np.asarray(extend_lens, dtype=np.int64)
+        pl = np.asarray(prefix_lens, dtype=np.int64)
+        ends = np.cumsum(el)
+        v["input_ids"][:n] = ids
+        v["positions"][:n] = np.arange(n, dtype=np.int64) + np.repeat(pl - (ends - el), el)
+        v["row_req"][:n] = np.repeat(np.asarray(rpi, dtype=np.int64), el)
+        v["rpi"][:bs] = rpi
+        v["logit_rows"][:bs] = ends - 1
+        meta[0, :bs] = pl + el
+        meta[1, :bs] = ends - el
+        meta[2, :bs] = el
+        if tail is not None:
+            v["tail"].reshape(self.tail_rows, self.slots(t))[:, :bs] = tail
+        self._pad(v, meta, n, bs)
+        self.ints[t].copy_(torch.from_numpy(out), non_blocking=True)
+        base, f = self.view(t), self.fields(t)
+        pad = [0] * (self.slots(t) - bs)
+        seq_max = int((pl + el).max())
+        sb = dataclasses.replace(base, extend_lens=list(extend_lens) + pad, prefix_lens=list(prefix_lens) + pad,
+                                 rids=rids, max_seq_len=seq_max)
+        live = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=f["input_ids"][:n], positions=f["positions"][:n],
+                            out_cache_loc=self.loc[:n], req_pool_indices=f["rpi"][:bs], seq_lens=f["meta"][0, :bs],
+                            extend_lens=list(extend_lens), prefix_lens=list(prefix_lens),
+                            logit_rows=f["logit_rows"][:bs], binding=self.runner.binding, rids=rids,
+                            max_seq_len=seq_max)
+        self._staged = (live, sb)
+        return live
+
     # --- capture and replay --------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every bucket (largest first) through the runner's own eager forward."""
@@ -197,7 +275,7 @@ class ExtendGraphRunner:
             return meta
 
         def body(t: int) -> ForwardOutput:
-            return self.runner.forward_eager(self.view(t), observe=False)
+            return self._body(t, self.view(t))
 
         def check(t: int, meta: RowMeta, out: ForwardOutput | None) -> None:
             want = row_meta(ForwardMode.EXTEND, self.slots(t), num_tokens=t, tp_size=self.runner.tp_size,
@@ -210,6 +288,17 @@ class ExtendGraphRunner:
 
         self.caps = capture_buckets(self.buckets, prepare, body, check, emulate=self.emulate, pool=self.pool,
                                     stats=self.stats)
+
+    def _body(self, t: int, sb: ForwardBatch) -> ForwardOutput:
+        """What bucket t's graph runs over its buffers (`sb`: the bucket's view; emulated, the live batch's
+        padded view, whose host lengths a CPU backend reads): each token row's KV slot from the runner's
+        own request-to-token map, the forward, then the tail where there is one."""
+        f = self._fields[t]
+        torch.index_select(self.r2t.view(-1), 0, f["row_req"] * self.r2t.shape[1] + f["positions"], out=self.loc[:t])
+        out = self.runner.forward_eager(sb, observe=False)
+        if self.tail is not None:
+            out.tokens = self.tail(sb, out, f["tail"].view(self.tail_rows, self.slots(t)))
+        return out
 
     def fits(self, batch: ForwardBatch) -> str | None:
         """None when the batch can replay; else the reason it runs eagerly."""
@@ -234,6 +323,15 @@ class ExtendGraphRunner:
         t = self.bucket(batch.num_tokens, batch.bs)
         assert t is not None
         cap = self.caps[t]
-        out = replay(self.runner, cap, self.static_batch(batch, t), self._emu, t)
+        sb = self.static_batch(batch, t)
+        self._staged = None
+        if cap.graph is None:  # emulated: the body eagerly on the same buffers, its output held as a graph's
+            out = held_output(self._emu, t, self._body(t, sb))
+        else:
+            self.runner.binding.backend.plan(sb)
+            cap.graph.replay()
+            assert cap.out is not None
+            out = cap.out
         self.stats.replays[t] += 1
-        return ForwardOutput(out.logits[: batch.bs], out.hidden[: batch.num_tokens], graph_bs=t)
+        return ForwardOutput(out.logits[: batch.bs], out.hidden[: batch.num_tokens], graph_bs=t,
+                             tokens=out.tokens[: batch.bs] if out.tokens is not None else None)

@@ -69,6 +69,9 @@ class ForwardOutput:
     hidden: torch.Tensor  # [T, H] last layer's hidden before the final norm
     graph_bs: int = 0  # the bucket a graph replay ran at; 0 = eager
     eager_reason: str | None = None
+    # A target's prefill graph also takes each request's greedy first token and commits the ones its
+    # batch asked it to (`ExtendGraphRunner.stage`): those tokens, [bs]. None elsewhere.
+    tokens: torch.Tensor | None = None
 
 
 class ForwardMode(enum.Enum):
@@ -268,7 +271,8 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     pos_d, row_req_d, rpi_d, seq_d, rows_d, *rest = torch.from_numpy(np.concatenate(host)).to(
         device, non_blocking=True).split_with_sizes([t.size for t in host])
     ids_d = rest[0] if on_host else input_ids.to(device, non_blocking=True)  # type: ignore[union-attr]
-    kept = {"positions": (pos, pos_d), "req_pool_indices": (rpi, rpi_d), "logit_rows": (rows, rows_d)}
+    kept = {"positions": (pos, pos_d), "req_pool_indices": (rpi, rpi_d), "logit_rows": (rows, rows_d),
+            "row_req": (row_req, row_req_d)}
     if on_host:
         kept["input_ids"] = (host[-1], ids_d)
     if req_to_token.device == pos_d.device:

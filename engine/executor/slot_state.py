@@ -29,6 +29,7 @@ from mleagle.engine.kernels import fused_layers_on
 from mleagle.engine.sampling.processor import RowFlags, SamplingRows
 
 PLAIN = RowFlags()
+ADMIT_ROWS = 14  # an admitted row's field values as `admit(device_copy=False)` returns them: 6 ints, 6 floats, 2 bools
 
 
 def accepted(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
@@ -83,10 +84,13 @@ class SlotState:
         return self._ar[:n]
 
     # --- admission ---------------------------------------------------------------------------
-    def admit(self, reqs: Sequence[Req]) -> None:
-        """(Re)fill the rows of requests starting (or resuming) prefill, in one copy and one write per dtype."""
+    def admit(self, reqs: Sequence[Req], device_copy: bool = True) -> np.ndarray | None:
+        """(Re)fill the rows of requests starting (or resuming) prefill, in one copy and one write per dtype.
+        With `device_copy` False the fields' values are returned instead, [ADMIT_ROWS, n] int64 (the int
+        fields, the float fields' float32 bits, the bools), for a prefill graph to write (`admit_where`);
+        the host mirrors, and the rare per-vocabulary state (penalties, bans), are filled here either way."""
         if not reqs:
-            return
+            return None
         v = self.vocab
         rows = [r.req_pool_idx for r in reqs]
         ps = [r.params for r in reqs]
@@ -103,13 +107,17 @@ class SlotState:
         bools = [[p.greedy for p in ps], [p.seed is not None and not p.greedy for p in ps]]
         host: list[np.ndarray] = [np.asarray(rows, dtype=np.int64), np.asarray(ints, dtype=np.int64),
                                   np.asarray(floats, dtype=np.float32), np.asarray(bools, dtype=np.bool_)]
-        sizes = [a.nbytes for a in host]
-        idx, i64, f32, b = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in host])).to(
-            self.device, non_blocking=True).split_with_sizes(sizes)
-        idx = idx.view(torch.int64)
-        self._i.index_copy_(1, idx, i64.view(torch.int64).view(6, n))
-        self._f.index_copy_(1, idx, f32.view(torch.float32).view(6, n))
-        self._b.index_copy_(1, idx, b.view(torch.bool).view(2, n))
+        vals = None
+        if device_copy:
+            sizes = [a.nbytes for a in host]
+            idx, i64, f32, b = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in host])).to(
+                self.device, non_blocking=True).split_with_sizes(sizes)
+            idx = idx.view(torch.int64)
+            self._i.index_copy_(1, idx, i64.view(torch.int64).view(6, n))
+            self._f.index_copy_(1, idx, f32.view(torch.float32).view(6, n))
+            self._b.index_copy_(1, idx, b.view(torch.bool).view(2, n))
+        else:  # (a float's bits as a signed int32, so that they survive int64 and back exactly)
+            vals = np.concatenate([host[1], host[2].view(np.int32).astype(np.int64), host[3].astype(np.int64)])
         for i, (row, p) in enumerate(zip(rows, ps)):
             self.h_greedy[row] = p.greedy
             self.h_pen[row] = p.has_penalties
@@ -148,6 +156,15 @@ class SlotState:
                     self.ban[row, torch.tensor(banned, dtype=torch.int64).to(self.device)] = True
         if self.steps and not all(p.greedy for p in ps) and self.draft_q is None:
             self.draft_q = torch.zeros(self.pad_row + 1, self.steps, v, dtype=torch.float32, device=self.device)
+        return vals
+
+    def admit_where(self, rpi: torch.Tensor, admit: torch.Tensor, vals: torch.Tensor) -> None:
+        """`admit`'s device write inside a prefill graph, over its request slots: the rows `admit` flags
+        take `vals` [ADMIT_ROWS, slots] (as `admit(device_copy=False)` returned them); every other slot
+        writes its own values back (the padding slots all name the pad row, which so keeps its values)."""
+        self._i.index_copy_(1, rpi, torch.where(admit, vals[0:6], self._i[:, rpi]))
+        self._f.index_copy_(1, rpi, torch.where(admit, vals[6:12].to(torch.int32).view(torch.float32), self._f[:, rpi]))
+        self._b.index_copy_(1, rpi, torch.where(admit, vals[12:14] != 0, self._b[:, rpi]))
 
     def set_kv_len(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """The KV lengths of `rows` (both on the device already: a prefill copies them with its other inputs)."""
@@ -242,6 +259,16 @@ class SlotState:
         self.n_out.index_fill_(0, rpi, 1)
         if flags.penalties and self.counts is not None:
             self.counts.index_put_((rpi, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
+
+    def commit_first_where(self, rpi: torch.Tensor, tok: torch.Tensor, seq_lens: torch.Tensor, first: torch.Tensor,
+                           kv_set: torch.Tensor) -> None:
+        """A prefill graph's `commit_first` and `set_kv_len` over its request slots [slots]: the first
+        tokens of the slots `first` flags, the KV lengths (`seq_lens`) of those `kv_set` flags. Every slot
+        writes, the unflagged ones their own values back (the padding slots all name the pad row, which
+        so keeps its values). No penalties: the graph commits only plain rows."""
+        self.last_tok.index_copy_(0, rpi, torch.where(first, tok, self.last_tok[rpi]))
+        self.n_out.index_copy_(0, rpi, torch.where(first, 1, self.n_out[rpi]))
+        self.kv_len.index_copy_(0, rpi, torch.where(kv_set, seq_lens, self.kv_len[rpi]))
 
     # --- speculation ---------------------------------------------------------------------------
     def verify_greedy(self, logits: torch.Tensor, w: int, rpi: torch.Tensor, live: torch.Tensor | None,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mleagle.engine.constrain.runtime import ConstrainRuntime
@@ -58,12 +59,15 @@ from mleagle.engine.executor.results import (
     unpack,
 )
 from mleagle.engine.executor.runner import ModelRunner
-from mleagle.engine.executor.slot_state import PLAIN, SlotState
+from mleagle.engine.executor.slot_state import ADMIT_ROWS, PLAIN, SlotState
 from mleagle.engine.sampling.processor import RowFlags, penalize
 from mleagle.engine.sampling.sampler import logprobs, sample
 
 log = logging.getLogger("mleagle.engine")
 MASKED = dataclasses.replace(PLAIN, constrained=True)  # a plain greedy batch with grammars (the masked graph)
+# The target prefill graph's tail rows per request (`prefill_input`, `graph_tail`): commit the greedy first
+# token, set the KV length, admit, then the admitted row's field values (`SlotState.ADMIT_ROWS`).
+TAIL_ROWS = 3 + ADMIT_ROWS
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,13 @@ class TargetWorker:
         # is only ever read (graphs copy it into their own buffers), so most launches reuse it.
         self._rpi_rows: list[int | None] = []
         self._rpi: torch.Tensor | None = None
-        # The last prefill's first tokens, on their way back, and the results they belong to (`settle_prefill`).
-        self._first: tuple[Pending, list[StepResult]] | None = None
+        # The last prefill's first tokens, on their way back, and the results they belong to (`settle_prefill`;
+        # None for a row of the copy that is not a first token).
+        self._first: tuple[Pending, list[StepResult | None]] | None = None
+        # The prefill batch `prefill_batch` staged into the target's prefill graph, and whether that graph
+        # commits its first tokens (else `finish_prefill` samples them).
+        self._staged: tuple[ForwardBatch, bool] | None = None
+        self.graph_first_tokens = 0  # first tokens a prefill graph sampled and committed (the rest: `finish_prefill`)
         self._ar = torch.arange(128, device=self.device)
 
     @property
@@ -246,7 +255,9 @@ class TargetWorker:
                 continue
             g = ExtendGraphRunner(r, buckets=buckets, max_reqs=s.prefill_max_reqs,
                                   hidden_size=int(getattr(r.model, "hidden_in_size", 0)), dtype=s.dtype,
-                                  emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout)
+                                  emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout,
+                                  # the target's graph also admits, and takes the first tokens
+                                  tail=self.graph_tail if r is self.target else None, tail_rows=TAIL_ROWS)
             why = self._try_capture(f"{r.name} prefill", g.capture, s)
             if why is not None:
                 r.no_extend_reason = why
@@ -393,7 +404,48 @@ class TargetWorker:
         return "decode + sample"
 
     # --- prefill (host-described; a prefill graph where it fits) --------------------------------------------------------
+    def prefill_input(self, reqs: list[Req], chunks: list[int]) -> ForwardBatch:
+        """Admit the requests that start (or resume) here and return the target's prefill batch: staged
+        straight into a captured prefill graph's buffers where one holds it, whose tail (`graph_tail`)
+        then also fills the admitted rows, sets the finished prompts' KV lengths and, where every prompt
+        sampling a first token is plain greedy, samples and commits those; else admitted here and built
+        from host lists (`prefill_batch`), everything after the forward left to `finish_prefill`."""
+        self._staged = None
+        g = self.target.extend_graphs
+        n = sum(chunks)
+        if (not isinstance(g, ExtendGraphRunner) or g.tail is None or g.stage_bucket(n, len(reqs)) is None
+                or any(r.params.prompt_logprobs is not None and r.prompt_logprobs is None for r in reqs)):
+            self.admit(reqs)
+            return self.prefill_batch(reqs, chunks)
+        new = [i for i, r in enumerate(reqs) if r.state_slot != r.req_pool_idx]
+        vals = self.state.admit([reqs[i] for i in new], device_copy=False)
+        for i in new:
+            reqs[i].state_slot = reqs[i].req_pool_idx
+        done = [r.kv_len + c >= r.prefill_len for r, c in zip(reqs, chunks)]
+        first = [d and not r.output_ids for r, d in zip(reqs, done)]
+        if any(first):
+            fr = [r for r, f in zip(reqs, first) if f]
+            flags = self.state.flags([r.req_pool_idx for r in fr], fr)  # type: ignore[misc]
+            if not (flags.plain and flags.logprobs < 0 and all(r.constraint is None for r in fr)):
+                first = [False] * len(reqs)  # sampled on the host's path (`finish_prefill`)
+        tail = np.zeros((TAIL_ROWS, len(reqs)), dtype=np.int64)
+        tail[0], tail[1] = first, done
+        if new:
+            assert vals is not None
+            tail[2, new] = 1
+            tail[3:, new] = vals
+        ids: list[int] = []
+        for r, c in zip(reqs, chunks):
+            ids += r.fill_ids[r.kv_len : r.kv_len + c]
+        staged = g.stage(ids, [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], chunks, tail,  # type: ignore[misc]
+                         rids=tuple(r.rid for r in reqs))
+        assert staged is not None  # (`stage_bucket` said it fits)
+        self._staged = (staged, any(first))
+        return staged
+
     def prefill_batch(self, reqs: list[Req], chunks: list[int]) -> ForwardBatch:
+        """The target's prefill batch built from host lists (an eager forward, or a prefill graph's
+        static batch)."""
         ids: list[int] = []
         for r, c in zip(reqs, chunks):
             ids += r.fill_ids[r.kv_len : r.kv_len + c]
@@ -412,8 +464,7 @@ class TargetWorker:
 
     def prefill(self, reqs: list[Req], chunks: list[int], defer_fill: bool = False) -> list[StepResult]:
         # (`defer_fill` is the speculative worker's: its draft layers' pass may wait for the next call.)
-        self.admit(reqs)
-        batch = self.prefill_batch(reqs, chunks)
+        batch = self.prefill_input(reqs, chunks)
         out = self.target.forward(batch)
         self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
@@ -434,15 +485,30 @@ class TargetWorker:
         done = [i for i, r in enumerate(reqs) if not r.prefilling]
         # A resumed request (preempted after generating) already has its next input token: no sample.
         first = [i for i in done if not reqs[i].output_ids]
+        staged, self._staged = self._staged, None
+        graph = staged is not None and staged[0] is batch  # the graph set the finished rows' KV lengths
+        if graph and out.tokens is None:
+            raise AssertionError("a staged prefill batch ran without its prefill graph's tail")
         if not done:
+            return results
+        if graph and first and staged[1]:  # type: ignore[index]
+            # ... and committed the first tokens: they only travel back (every request's greedy token, the
+            # rows that are not first tokens skipped when read).
+            assert out.tokens is not None
+            p = self._copy_back(reqs, 1, PLAIN, out.tokens.view(-1, 1), Timer(self.device))
+            keep = set(first)
+            self.graph_first_tokens += len(keep)
+            self._first = (p, [res if i in keep else None for i, res in enumerate(results)])
             return results
         # The finished rows' KV lengths, and the first tokens' slots and logit rows, in one copy (a first
         # token waits for every operation queued before it: on a GPU each costs the host a launch).
-        host: list[list[int]] = [[reqs[i].req_pool_idx for i in done], [reqs[i].kv_len for i in done],  # type: ignore[misc]
+        host: list[list[int]] = [[] if graph else [reqs[i].req_pool_idx for i in done],  # type: ignore[misc]
+                                 [] if graph else [reqs[i].kv_len for i in done],
                                  [reqs[i].req_pool_idx for i in first], [last_rows[i] for i in first]]  # type: ignore[misc]
         kv_rows, kv_lens, rpi, rows_t = torch.tensor([x for h in host for x in h], dtype=torch.int64).to(
             self.device, non_blocking=True).split_with_sizes([len(h) for h in host])
-        self.state.set_kv_len(kv_rows, kv_lens)
+        if not graph:
+            self.state.set_kv_len(kv_rows, kv_lens)
         if first:
             fr = [reqs[i] for i in first]
             # Each request's last row in order (no prompt logprobs): those rows as they are, no gather.
@@ -463,6 +529,17 @@ class TargetWorker:
             p = self._copy_back(fr, 1, flags, packed, Timer(self.device))
             self._first = (p, [results[i] for i in first])
         return results
+
+    def graph_tail(self, batch: ForwardBatch, out: ForwardOutput, tail: torch.Tensor) -> torch.Tensor:
+        """The target prefill graph's tail (`ExtendGraphRunner.tail`) over its request slots, from the rows
+        `prefill_input` staged (`TAIL_ROWS`): the admitted requests' slot-state rows filled, then each
+        slot's greedy first token [slots], committed where row 0 says (as `finish_prefill` would: the
+        row's last token and count), and the KV lengths of the prompts that finish here (row 1) set."""
+        rpi = batch.req_pool_indices
+        self.state.admit_where(rpi, tail[2] != 0, tail[3:])
+        tok = out.logits.argmax(-1)
+        self.state.commit_first_where(rpi, tok, batch.seq_lens, tail[0] != 0, tail[1] != 0)
+        return tok
 
     # --- the fused mixed step (target-only) ---------------------------------------------------------
     def can_fuse(self, decode: list[Req], reqs: list[Req], chunks: list[int]) -> bool:
@@ -544,9 +621,10 @@ class TargetWorker:
         if p.done is not None:
             device_wait.wait(p.done)
         for res, (toks, lps) in zip(results, unpack(p)):
-            res.tokens = toks
-            res.logprobs = lps
-        _attach_cuts(results, p.cuts)
+            if res is not None:  # (None: a row of the batch whose token is not a first token)
+                res.tokens = toks
+                res.logprobs = lps
+        _attach_cuts([r for r in results if r is not None], p.cuts)
 
     def _sample(self, x_raw: torch.Tensor, rpi: torch.Tensor, flags: RowFlags) -> torch.Tensor:
         if flags.constrained:  # constrain: grammar masks and logit bias
@@ -770,6 +848,7 @@ class TargetWorker:
     def reset_counters(self, keep_policy_costs: bool = False) -> None:
         """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up.
         (`keep_policy_costs` is the speculative worker's: its policy keeps the timings.)"""
+        self.graph_first_tokens = 0
         for r in self.runners:
             r.eager.clear()
             r.num_forwards = 0

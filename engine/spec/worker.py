@@ -268,8 +268,7 @@ class SpecWorker(TargetWorker):
         # interval between the iteration ends around it, which they would otherwise inflate.
         timer = Timer(self.device)
         timer.mark()
-        self.admit(reqs)
-        batch = self.prefill_batch(reqs, chunks)
+        batch = self.prefill_input(reqs, chunks)
         out = self.target.forward(batch)
         self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]

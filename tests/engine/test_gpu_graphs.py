@@ -237,6 +237,17 @@ def test_prefill_graph_replay_equals_eager_at_every_token_bucket(draft: str) -> 
     assert all_free(e)
 
 
+@pytest.mark.parametrize("draft", ["none", "random:3"])
+def test_a_prefill_graph_commits_plain_first_tokens_on_cuda(draft: str) -> None:
+    """`check_graph_first_tokens` on real CUDA graphs (overlap on), float32: the prefill graph's
+    first-token tail against the same engine with eager prefill."""
+    from tests.engine.test_graph_runner import check_graph_first_tokens
+
+    common = dict(chunked_prefill_size=48, max_total_tokens=420)
+    check_graph_first_tokens(_engine(draft, prefill_graph_max_tokens=0, **common),
+                             _engine(draft, prefill_graph_max_tokens=64, **common))
+
+
 def test_prefill_graphs_keep_greedy_output_exact() -> None:
     """Through the engine: prompts of many lengths, cached prefixes and chunked prefill, every prefill
     on its graph where it fits; the output equals an engine with no graphs at all."""

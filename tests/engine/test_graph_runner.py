@@ -267,11 +267,11 @@ def test_prefill_graphs_replay_equals_eager_at_every_token_bucket(draft: str) ->
 
 def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> None:
     """A prefill graph's inputs, padding included, go over in one copy from the host values the batch
-    was built with, and the KV slots (gathered on the device) in a second; a draft runner's batch, whose
-    input ids and hidden states were replaced after it was built, copies those from the device too. A
-    smaller batch after a larger one in the same bucket leaves nothing of it: the rows past its own are
-    position 0 on slot 0, the request slots past its own the pad row with no rows (each bucket has its
-    own buffer, so the copy is the bucket's size)."""
+    was built with; the KV slots are read from the request-to-token map by the graph itself. A draft
+    runner's batch, whose input ids and hidden states were replaced after it was built, copies those
+    from the device too. A smaller batch after a larger one in the same bucket leaves nothing of it: the
+    rows past its own are position 0 on the pad row (so the pad slot), the request slots past its own
+    the pad row with no rows (each bucket has its own buffer, so the copy is the bucket's size)."""
     from mleagle.engine.executor.forward_batch import build_batch
     from tests.spec_helpers import OpCount
 
@@ -299,12 +299,14 @@ def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> N
     g.static_batch(big, 64)
     with kernels() as k:
         g.static_batch(small, 64)
-    assert k.n == 2, k.n  # the packed copy and the KV slots' copy
+    assert k.n == 1, k.n  # the packed copy
     f = g.fields(64)
-    ids, pos, loc = (f[k] for k in ("input_ids", "positions", "out_cache_loc"))
+    ids, pos, row_req = (f[k] for k in ("input_ids", "positions", "row_req"))
     assert ids[:40].tolist() == list(range(100, 140)) and not ids[40:].any()
     assert torch.equal(pos[:40], small.positions) and not pos[40:].any()
-    assert torch.equal(loc[:40], small.out_cache_loc) and not loc[40:].any()
+    assert row_req.tolist() == [reqs[1].req_pool_idx] * 40 + [g.pad_row] * 24
+    g.run(small)  # the graph's own KV slots: the batch's, then the pad slot
+    assert torch.equal(g.loc[:40], small.out_cache_loc) and not g.loc[40:64].any()
     r = g.slots(64)
     assert f["rpi"].tolist() == [reqs[1].req_pool_idx] + [g.pad_row] * (r - 1)
     assert f["logit_rows"].tolist() == [39] + [0] * (r - 1)
@@ -315,7 +317,7 @@ def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> N
                             hidden_in=torch.randn(40, hidden, dtype=e.dtype, device=e.device))
     with kernels() as k:
         draft.extend_graphs.static_batch(d, 64)
-    assert k.n == 4, k.n  # the packed copy, then the ids, the KV slots and the hidden states
+    assert k.n == 3, k.n  # the packed copy, then the ids and the hidden states
     assert draft.extend_graphs.fields(64)["input_ids"][:40].tolist() == list(range(7, 47))
     assert torch.equal(draft.extend_graphs.hidden_in[:40], d.hidden_in)
     for i in range(2):
@@ -418,3 +420,62 @@ def test_the_emulated_draft_fill_graph_equals_the_per_layer_fill_at_every_token_
     e = tiny_engine("random:3", cfg=tiny_cfg(), spec_policy=policy, graph_emulate=True, prefill_graph_max_tokens=128)
     assert check_fill_buckets(e) == 4
     assert all_free(e)
+
+
+@pytest.mark.parametrize("draft", ["none", "random:3"])
+def test_a_prefill_graph_commits_plain_first_tokens_as_the_host_does(draft: str) -> None:
+    """Plain greedy prompts on an (emulated) prefill graph get their first token from the graph itself
+    (sampled, committed and their KV lengths set inside it, `TargetWorker.graph_first`); the rest keep
+    the host's sampling after the replay: `check_graph_first_tokens` against the same engine without
+    prefill graphs."""
+    common = dict(graph_emulate=True, chunked_prefill_size=48, max_total_tokens=420)
+    cfg = tiny_cfg()
+    check_graph_first_tokens(tiny_engine(draft, cfg=cfg, prefill_graph_max_tokens=0, **common),
+                             tiny_engine(draft, cfg=cfg, prefill_graph_max_tokens=64, **common))
+
+
+def check_graph_first_tokens(ref: Engine, eng: Engine) -> None:
+    """`eng` (prefill graphs up to 64 tokens, chunks of 48, a pool of 420 tokens) against `ref` (the same
+    without prefill graphs): the slot state a plain prefill step leaves, then outputs and logprobs for
+    plain batches, a seeded top-p request with logprobs, min_new_tokens, a repetition penalty, prompt
+    logprobs (eager), a plain and a sampled prompt in one batch, a prompt prefilled in two chunks, a
+    prefix-cache hit, and a batch large enough for the pool to preempt and resume requests (a resumed
+    prefill sets its KV length in the graph and samples nothing). Every plain greedy prompt's first
+    token came from the graph, no other's."""
+    long = [(7 * i + 3) % 250 + 1 for i in range(90)]
+    groups: list[tuple[list[list[int]], list[SamplingParams]]] = [
+        (PROMPTS[:3], [greedy(12)] * 3),
+        ([PROMPTS[3]], [SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=10, logprobs=2)]),
+        ([PROMPTS[4]], [greedy(9, min_new_tokens=4)]),
+        ([PROMPTS[0]], [SamplingParams(temperature=0.0, max_new_tokens=8, repetition_penalty=1.2)]),
+        ([PROMPTS[1]], [SamplingParams(temperature=0.0, max_new_tokens=6, prompt_logprobs=1)]),
+        (PROMPTS[2:4], [greedy(7), SamplingParams(temperature=0.9, seed=2, max_new_tokens=7)]),
+        ([long], [greedy(10)]),
+        ([PROMPTS[2] + [11, 12, 13]], [greedy(8)]),  # PROMPTS[2] is cached: a hit
+        ([[(3 * i + j) % 250 + 1 for j in range(30)] for i in range(12)], [greedy(24)] * 12),  # preemption
+    ]
+    outs = []
+    for e in (ref, eng):
+        # The slot state a plain prefill step leaves (its next input, count and KV length per request).
+        for i, p in enumerate(PROMPTS):
+            e.add_request(f"s{i}", p, greedy(4))
+        e.step()
+        st = e.worker.state
+        rows = [e.scheduler.reqs[f"s{i}"].req_pool_idx for i in range(len(PROMPTS))]
+        got: list[object] = [[t[rows].tolist() for t in (st.last_tok, st.n_out, st.kv_len)]]
+        for i in range(len(PROMPTS)):
+            e.abort(f"s{i}")
+        while e.has_work():
+            e.step()
+        for prompts, sps in groups:
+            for c in e.generate(prompts, sps):
+                got.append((c.token_ids, [(lp.token_id, round(lp.logprob, 4)) for lp in c.logprobs or []],
+                            [None if lp is None else round(lp.logprob, 4) for lp in c.prompt_logprobs or []]))
+        outs.append(got)
+    assert outs[0] == outs[1]
+    assert ref.stats()["graph_first_tokens"] == 0
+    # The state check's 5, the first group's 3, the chunked one, the hit, the last group's 12.
+    n = eng.stats()["graph_first_tokens"]
+    assert n == 5 + 3 + 1 + 1 + 12, n
+    assert eng.scheduler.num_preemptions > 0
+    assert all_free(eng) and all_free(ref)
