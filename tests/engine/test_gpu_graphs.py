@@ -245,7 +245,7 @@ def test_a_prefill_graph_commits_plain_first_tokens_on_cuda(draft: str) -> None:
 
     common = dict(chunked_prefill_size=48, max_total_tokens=420)
     check_graph_first_tokens(_engine(draft, prefill_graph_max_tokens=0, **common),
-                             _engine(draft, prefill_graph_max_tokens=64, **common))
+                             _engine(draft, prefill_graph_max_tokens=64, **common), exact_count=False)
 
 
 def test_prefill_graphs_keep_greedy_output_exact() -> None:

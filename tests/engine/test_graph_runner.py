@@ -434,14 +434,15 @@ def test_a_prefill_graph_commits_plain_first_tokens_as_the_host_does(draft: str)
                              tiny_engine(draft, cfg=cfg, prefill_graph_max_tokens=64, **common))
 
 
-def check_graph_first_tokens(ref: Engine, eng: Engine) -> None:
+def check_graph_first_tokens(ref: Engine, eng: Engine, exact_count: bool = True) -> None:
     """`eng` (prefill graphs up to 64 tokens, chunks of 48, a pool of 420 tokens) against `ref` (the same
     without prefill graphs): the slot state a plain prefill step leaves, then outputs and logprobs for
     plain batches, a seeded top-p request with logprobs, min_new_tokens, a repetition penalty, prompt
     logprobs (eager), a plain and a sampled prompt in one batch, a prompt prefilled in two chunks, a
     prefix-cache hit, and a batch large enough for the pool to preempt and resume requests (a resumed
     prefill sets its KV length in the graph and samples nothing). Every plain greedy prompt's first
-    token came from the graph, no other's."""
+    token came from the graph, no other's (`exact_count`; else at least those: under overlap a request
+    preempted before its first token may prefill twice)."""
     long = [(7 * i + 3) % 250 + 1 for i in range(90)]
     groups: list[tuple[list[list[int]], list[SamplingParams]]] = [
         (PROMPTS[:3], [greedy(12)] * 3),
@@ -476,6 +477,6 @@ def check_graph_first_tokens(ref: Engine, eng: Engine) -> None:
     assert ref.stats()["graph_first_tokens"] == 0
     # The state check's 5, the first group's 3, the chunked one, the hit, the last group's 12.
     n = eng.stats()["graph_first_tokens"]
-    assert n == 5 + 3 + 1 + 1 + 12, n
+    assert n == 5 + 3 + 1 + 1 + 12 if exact_count else n >= 5 + 3 + 1 + 1 + 12, n
     assert eng.scheduler.num_preemptions > 0
     assert all_free(eng) and all_free(ref)
