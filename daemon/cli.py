@@ -58,6 +58,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "prefill_graph_max_tokens": ("engine", "prefill_graph_max_tokens"),
     "prefill_wait_steps": ("engine", "prefill_wait_steps"),
     "fuse_mixed_steps": ("engine", "fuse_mixed_steps"),
+    "prefill_side_stream": ("engine", "prefill_side_stream"),
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
     "enable_prefix_cache": ("engine", "enable_prefix_cache"),
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fuse-mixed-steps", dest="fuse_mixed_steps", action="store_const", const=True,
                     default=None, help="target-only: run a mixed step's prefill and the decoding rows' next tokens "
                                        "as one forward where it fits a prefill graph (default: two forwards)")
+    ap.add_argument("--no-prefill-side-stream", dest="prefill_side_stream", action="store_const", const=False,
+                    default=None, help="target-only CUDA: run each prefill behind the decode iteration in flight "
+                                       "(default: on a stream of its own beside it)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

@@ -249,6 +249,9 @@ class Engine:
                                    stop_cut=self._stop_cut, overlap=self._overlap(),
                                    prefill_wait=e.prefill_wait_steps)
         self.worker.fuse_mixed = e.fuse_mixed_steps and self.worker.fuse_mixed
+        if self._side_stream():
+            self.worker.side = torch.cuda.Stream(self.device, priority=-1)  # the first token comes first
+            self.mem.hold_frees()
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
         self.observers: list[StepObserver] = []  # called after every step (the engine process's telemetry)
@@ -270,6 +273,15 @@ class Engine:
             self.model.aux_layers = parts.stack.aux_layers  # the target also returns the streams layer 0 reads
             return parts.worker
         return TargetWorker(self.target, self.device, frozenset(self.eos_ids), self.arch.vocab_size, self.max_reqs)
+
+    def _side_stream(self) -> bool:
+        """A prefill stream (`TargetWorker.prefill_stream`): target-only under overlap scheduling with
+        prefill graphs, one rank, no fused mixed steps (which read the iteration in flight)."""
+        from mleagle.engine.executor.extend_graph import ExtendGraphRunner
+
+        return (self.cfg.engine.prefill_side_stream and self.scheduler.overlap and self.tp.size == 1
+                and self.worker.side_ok and isinstance(self.target.extend_graphs, ExtendGraphRunner)
+                and not self.worker.fuse_mixed and self.device.type == "cuda")
 
     def _overlap(self) -> bool:
         """Overlap scheduling on CUDA, unless a backend plans from exact host lengths (FlashInfer)."""
@@ -517,6 +529,8 @@ class Engine:
                 "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
                 # first tokens sampled and committed inside a prefill graph (plain greedy prompts on one)
                 "graph_first_tokens": self.worker.graph_first_tokens,
+                # prefills run on the prefill stream, beside the iteration in flight
+                "side_stream_prefills": self.worker.side_prefills,
                 "cpu_packed_linear": self.packed_linear,
                 # host seconds blocked on the device since start (on a CPU engine, 0)
                 "device_wait_s": round(device_wait.seconds, 6)}

@@ -31,7 +31,12 @@ tokens (one-token extends, their ids taken on the device from N's commit, their 
 plus N's one token) and the arrivals' prompts, sampled and committed as an iteration and first tokens
 are; the arrivals decode from N+2. It saves the arrival's second forward, but its first token then
 comes out of N+1 rather than before it, and the decoding rows leave their whole-iteration graph: served
-on one H100 it did not pay (see the engine config's comment).
+on one H100 it did not pay (see the engine config's comment). A target-only CUDA engine runs the
+prefill on a stream of its own instead (`TargetWorker.prefill_stream`, `prefill_side_stream`): the
+prefill's scheduling (its KV pages' map writes) and forward go there, beside N, and N+1 waits for them
+on the main stream. Since N may still write the row and the KV slot after the last token of a request
+it finishes, what such a request gives back is held until N has ended (`MemoryManager.hold_frees`:
+`settle` after each finish, everything once nothing is in flight).
 With a constrained request running, a grammar-masked iteration N+1 launches its forward half before
 N is finished and the rest after (its masks need N's tokens in the matchers); other constrained
 batches do not overlap. Anything else — preemption, an abort, an iteration whose draft layers must
@@ -143,41 +148,48 @@ class Scheduler:
                 if ready:
                     plan = self.worker.plan(ready)
                     split = self.worker.launch_split(ready, plan)
+                    if split is not None:
+                        self.mem.launches += 1
                     if split is None:
                         self.worker.hold(plan)
             elif self.overlap and not aborts:
                 # A mixed step: arrivals (or the next chunk of a long prompt) prefill first, behind the
                 # iteration in flight, and the next iteration launches over every decoding request (the
                 # new ones too), so an arrival costs the running requests its prefill, not a drain.
-                batch = self._schedule_prefill() if self._want_prefill() else None
-                fused = False
-                if batch is not None:
-                    reqs, chunks = batch
-                    # With `fuse_mixed_steps`, the arrivals' prompts and the decoding rows' next tokens as
-                    # one forward (the arrivals, still prefilling, are not in `ready` yet): they decode
-                    # from the next.
-                    ready = self._decode_ready(self.worker.lookahead * 2) if self.worker.fuse_mixed else None
-                    fused = ready is not None and bool(ready) and self.worker.can_fuse(ready, reqs, chunks)
-                    if fused:
-                        assert ready is not None
-                        nxt = self.worker.launch_mixed(ready, self.inflight, reqs, chunks)
-                        self.num_fused += 1
-                    else:
-                        results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
-                    rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
-                    self.num_mixed += 1
-                    rep.forwards = list(self.worker.forwards)
+                # With a prefill stream (`TargetWorker.side`) the prefill, its KV pages' map writes
+                # included, runs beside the iteration in flight, and the next one waits for it.
+                with self.worker.prefill_stream():
+                    batch = self._schedule_prefill() if self._want_prefill() else None
+                    fused = False
+                    if batch is not None:
+                        reqs, chunks = batch
+                        # With `fuse_mixed_steps`, the arrivals' prompts and the decoding rows' next tokens
+                        # as one forward (the arrivals, still prefilling, are not in `ready` yet): they
+                        # decode from the next. (Never with a prefill stream.)
+                        ready = self._decode_ready(self.worker.lookahead * 2) if self.worker.fuse_mixed else None
+                        fused = ready is not None and bool(ready) and self.worker.can_fuse(ready, reqs, chunks)
+                        if fused:
+                            assert ready is not None
+                            nxt = self._launched(self.worker.launch_mixed(ready, self.inflight, reqs, chunks))
+                            self.num_fused += 1
+                        else:
+                            results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+                        rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
+                        self.num_mixed += 1
+                        rep.forwards = list(self.worker.forwards)
                 ready = None if fused else self._decode_ready(self.worker.lookahead * 2)
                 if ready:
                     plan = self.worker.plan(ready)
                     if plan.catch_up:  # the draft layers' catch-up reads host lengths: after this finish
                         self.worker.hold(plan)
                     else:
-                        nxt = self.worker.launch(ready, plan)
+                        nxt = self._launched(self.worker.launch(ready, plan))
             done, self.inflight = self.inflight, nxt
             results += list(zip(done.reqs, self.worker.finish(done)))
+            self.mem.settle(done.seq)  # it has ended: what was freed while only it could touch it is free
             if split is not None:  # the matchers have this step's tokens: the masks, then the rest
                 self.inflight = self.worker.complete(split)
+                self.inflight.seq = self.mem.launches
             rep.finished = done
             if rep.mode == "MIXED":  # the iteration's forwards first: its target forward is the step's main one
                 rep.forwards = done.forwards + rep.forwards
@@ -186,17 +198,18 @@ class Scheduler:
         else:
             outputs += self._abort(aborts)
             aborts = []
-            batch = None if self._hold_arrivals() else self._schedule_prefill()
-            if batch:
-                reqs, chunks = batch
-                # Nothing decodes behind this step: the draft layers' pass over the prompts waits for
-                # the next one, so their first tokens go out without it.
-                results = list(zip(reqs, self.worker.prefill(reqs, chunks, defer_fill=True)))
-                rep.mode, rep.forwards, rep.prefill_tokens = "EXTEND", list(self.worker.forwards), sum(chunks)
-            else:
+            with self.worker.prefill_stream():
+                batch = None if self._hold_arrivals() else self._schedule_prefill()
+                if batch:
+                    reqs, chunks = batch
+                    # Nothing decodes behind this step: the draft layers' pass over the prompts waits for
+                    # the next one, so their first tokens go out without it.
+                    results = list(zip(reqs, self.worker.prefill(reqs, chunks, defer_fill=True)))
+                    rep.mode, rep.forwards, rep.prefill_tokens = "EXTEND", list(self.worker.forwards), sum(chunks)
+            if not batch:
                 reqs = self._schedule_decode()
                 if reqs:
-                    p = self.worker.launch(reqs)
+                    p = self._launched(self.worker.launch(reqs))
                     rep.mode = "DECODE"
                     # A masked step's matchers take its tokens at its finish: it may stay in flight too.
                     if self.overlap and (not self._constrained() or p.masked):
@@ -215,6 +228,8 @@ class Scheduler:
             if res.tokens or req.finished or res.prompt_logprobs:
                 outputs.append(self._delta(req, res))
         outputs += self._abort(aborts)
+        if self.inflight is None:  # nothing is in flight: every held free is free
+            self.mem.settle()
         # A request finished above was removed from the map; forget it.
         for out in outputs:
             if out.finished:
@@ -223,6 +238,12 @@ class Scheduler:
         rep.duration_s = time.perf_counter() - t0
         self.report = rep
         return outputs
+
+    def _launched(self, p: Pending) -> Pending:
+        """Count an iteration just launched (`MemoryManager.settle`'s clock)."""
+        self.mem.launches += 1
+        p.seq = self.mem.launches
+        return p
 
     @property
     def last_mode(self) -> str:

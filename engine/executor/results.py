@@ -143,6 +143,7 @@ class Pending:
     # KV positions each request's host length gains at `finish` (None: its emitted count): a fused mixed
     # step's prefill rows gained theirs at launch and their first token has no KV yet, so 0 there.
     kv_add: list[int] | None = None
+    seq: int = 0  # the scheduler's count of launches when it was launched (`MemoryManager.settle`)
 
 
 @dataclass

@@ -22,9 +22,10 @@ the rest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,9 @@ class TargetWorker:
     # A mixed step may run as one forward (`can_fuse`, `launch_mixed`): one token a decoding row, which
     # only target-only decoding has; the engine sets it from `fuse_mixed_steps` (off by default).
     fuse_mixed = True
+    # A prefill may run on a stream of its own beside the iteration in flight (`prefill_stream`): the
+    # target-only prefill touches only its own requests' rows and pages.
+    side_ok = True
 
     def __init__(self, target: ModelRunner, device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(),
                  vocab: int = 0, max_reqs: int = 0, steps: int = 0):
@@ -131,6 +135,11 @@ class TargetWorker:
         # commits its first tokens (else `finish_prefill` samples them).
         self._staged: tuple[ForwardBatch, bool] | None = None
         self.graph_first_tokens = 0  # first tokens a prefill graph sampled and committed (the rest: `finish_prefill`)
+        # The prefill stream (`prefill_stream`; the engine sets it: target-only, CUDA, overlap, prefill graphs):
+        # a prefill runs there beside the iteration in flight instead of behind it.
+        self.side: torch.cuda.Stream | None = None
+        self.side_prefills = 0  # prefills that ran on it
+        self.prefills = 0  # prefill forwards of the target (`prefill_input`)
         self._ar = torch.arange(128, device=self.device)
 
     @property
@@ -197,7 +206,9 @@ class TargetWorker:
         buckets = default_buckets(s.max_bs)
         pool = torch.cuda.graph_pool_handle() if cuda else None
         self._arange(buckets[-1] * (self.full_depth + 1))  # grown before any capture, never inside one
-        lines = self._capture_prefill(s, pool, cuda)
+        # The prefill graphs in a memory pool of their own: graphs of one pool may share intermediate
+        # buffers, so a prefill could then never run beside an iteration (`prefill_stream`).
+        lines = self._capture_prefill(s, torch.cuda.graph_pool_handle() if cuda else None, cuda)
         failed: set[str] = set()
         # The full depth first: its shapes are each runner's `graphs`, the others' `more_graphs`.
         depths = sorted(self.graph_depths(), key=lambda d: d != self.full_depth)
@@ -411,6 +422,7 @@ class TargetWorker:
         sampling a first token is plain greedy, samples and commits those; else admitted here and built
         from host lists (`prefill_batch`), everything after the forward left to `finish_prefill`."""
         self._staged = None
+        self.prefills += 1
         g = self.target.extend_graphs
         n = sum(chunks)
         if (not isinstance(g, ExtendGraphRunner) or g.tail is None or g.stage_bucket(n, len(reqs)) is None
@@ -461,6 +473,25 @@ class TargetWorker:
         self.state.admit(new)
         for r in new:
             r.state_slot = r.req_pool_idx
+
+    @contextlib.contextmanager
+    def prefill_stream(self) -> Iterator[None]:
+        """Where the scheduler schedules and runs a prefill: on the prefill stream while this lasts (its
+        KV pages' map writes, its input copy, its graph and first tokens), after which the main stream
+        waits for it, so the next iteration (which decodes the new requests too) comes after the prefill
+        and the iteration in flight runs beside it. Two graphs at once need their own memory pools (the
+        prefill graphs have one, `capture_graphs`), and a row or page a finished request gave back must
+        not be reused while that iteration may still write it (`MemoryManager.hold_frees`). Without a
+        prefill stream, nothing changes."""
+        if self.side is None:
+            yield
+            return
+        main = torch.cuda.current_stream(self.device)
+        n = self.prefills
+        with torch.cuda.stream(self.side):
+            yield
+        main.wait_stream(self.side)
+        self.side_prefills += self.prefills - n
 
     def prefill(self, reqs: list[Req], chunks: list[int], defer_fill: bool = False) -> list[StepResult]:
         # (`defer_fill` is the speculative worker's: its draft layers' pass may wait for the next call.)
@@ -848,7 +879,7 @@ class TargetWorker:
     def reset_counters(self, keep_policy_costs: bool = False) -> None:
         """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up.
         (`keep_policy_costs` is the speculative worker's: its policy keeps the timings.)"""
-        self.graph_first_tokens = 0
+        self.graph_first_tokens = self.side_prefills = self.prefills = 0
         for r in self.runners:
             r.eager.clear()
             r.num_forwards = 0

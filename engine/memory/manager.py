@@ -7,7 +7,9 @@ and all draft runners always agree on which slot holds which position. A request
 first `ensure`), grows by `ensure(req, n)` (which evicts unused cached prefixes before it fails), and
 gives everything back with `release(req, keep)`, whatever way it ended: the KV of `keep` (the tokens
 whose KV is valid in every runner) goes into the cache, the prefix is unlocked, the rest is freed.
-`audit` checks that every page has exactly one owner (tests run it after every step).
+`audit` checks that every page has exactly one owner (tests run it after every step). With
+`hold_frees` (a prefill on a stream of its own, beside the iteration in flight), what a finished request
+gives back waits until the iterations that may still touch it have ended (`settle`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,44 @@ class MemoryManager:
         # Called with the pages `ensure` hands a request (their old contents mean nothing now): a
         # speculative worker forgets what it knew of them (`SpecWorker.forget_pages`).
         self.on_alloc: list[Callable[[list[int]], None]] = []
+        # Held frees (`hold_frees`): (launches counted when freed, pages, request slot), given back by
+        # `settle` once every iteration launched by then has ended. None: frees are immediate.
+        self.held: list[tuple[int, list[int], int | None]] | None = None
+        self.launches = 0  # iterations the scheduler has launched (`settle`'s clock)
+
+    def hold_frees(self) -> None:
+        """Keep what a finished request gives back from reuse until the iterations that may still touch it
+        have ended (`settle`). Needed when a prefill runs on a stream of its own beside the iteration in
+        flight: that iteration, launched before the request was known to be done, still writes its row's
+        slot state and the KV slot after its last token, so a new request given that row or page in the
+        meantime would be overwritten behind its prefill. Cached prefixes are not held: an iteration only
+        reads them (a live request's are locked), and eviction must free at once."""
+        self.held = []
+
+    def settle(self, launched: int | None = None) -> None:
+        """The iterations launched up to the `launched`-th (all of them: None) have ended: what was freed
+        while only they could still touch it becomes free."""
+        if not self.held:
+            return
+        keep = []
+        for tag, pages, slot in self.held:
+            if launched is None or tag <= launched:
+                if pages:
+                    self.allocator.free(pages)
+                if slot is not None:
+                    self.free_reqs.append(slot)
+            else:
+                keep.append((tag, pages, slot))
+        self.held = keep
+
+    def _free(self, pages: list[int], slot: int | None = None) -> None:
+        if self.held is None:
+            if pages:
+                self.allocator.free(pages)
+            if slot is not None:
+                self.free_reqs.append(slot)
+        elif pages or slot is not None:
+            self.held.append((self.launches, list(pages), slot))
 
     def add_map(self, m: ReqToTokenPool) -> None:
         if m.max_reqs != self.max_reqs or m.max_context != self.max_context:
@@ -180,16 +220,13 @@ class MemoryManager:
             n = min(len(keep) // p, len(req.pages))
             if n > own:
                 present = self.cache.insert(keep[: n * p], req.pages[:n]) // p
-                self.allocator.free(req.pages[own : max(own, present)])
+                self._free(req.pages[own : max(own, present)])
                 own = n
-        if req.pages[own:]:
-            self.allocator.free(req.pages[own:])
+        self._free(req.pages[own:], req.req_pool_idx)
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
         req.pages, req.prefix_node, req.cached_len = [], None, 0
-        if req.req_pool_idx is not None:
-            self.free_reqs.append(req.req_pool_idx)
-            req.req_pool_idx = None
+        req.req_pool_idx = None
 
     def reset_cache(self) -> int:
         """Evict every cached prefix no request uses; returns the tokens freed."""
@@ -207,9 +244,9 @@ class MemoryManager:
         well)."""
         bad: list[str] = []
         p = self.page_size
-        free = set(self.allocator.free_pages)
-        if len(free) != len(self.allocator.free_pages):
-            bad.append("a page twice in the free list")
+        free = set(self.allocator.free_pages) | {x for _, pages, _ in self.held or [] for x in pages}
+        if len(free) != len(self.allocator.free_pages) + sum(len(pages) for _, pages, _ in self.held or []):
+            bad.append("a page twice in the free list (or held)")
         tree = self.cache.pages() if self.cache is not None else set()
         if self.cache is not None:
             bad += self.cache.check()
@@ -246,6 +283,8 @@ class MemoryManager:
         """With no request alive: every page free or evictable in the cache, no lock left, every
         request slot free (what "nothing leaks" means with a prefix cache)."""
         bad = self.audit([])
+        if self.held:
+            bad.append(f"idle: {len(self.held)} frees still held")
         a = self.allocator
         evictable = self.cache.evictable_tokens if self.cache is not None else 0
         if a.num_free_tokens + evictable != a.capacity_tokens:

@@ -129,6 +129,9 @@ class SpecWorker(TargetWorker):
     # A verify row's accepted count is known only once its iteration finishes, so a mixed step keeps
     # the prefill beside the iteration (two forwards), never fused.
     fuse_mixed = False
+    # The prefill stays behind the iteration in flight: its draft fill and catch-ups share the draft
+    # runners' graphs, pools and the hidden-state pool with the iterations (not measured beside them yet).
+    side_ok = False
 
     def __init__(self, target: ModelRunner, drafts: list[ModelRunner], chain: bool, steps: int,
                  device: torch.device | str = "cpu", eos_ids: frozenset[int] = frozenset(), vocab: int = 0,

@@ -248,6 +248,50 @@ def test_a_prefill_graph_commits_plain_first_tokens_on_cuda(draft: str) -> None:
                              _engine(draft, prefill_graph_max_tokens=64, **common), exact_count=False)
 
 
+def test_a_prefill_on_its_own_stream_equals_one_behind_the_iteration() -> None:
+    """Target-only on real CUDA graphs (overlap on), float32: arrivals every other step while others
+    decode, greedy and seeded, a stop string's worth of stop tokens, aborts, and a pool small enough to
+    preempt; the prefill stream (`prefill_side_stream`, the default) gives the output of the engine
+    that runs each prefill behind the iteration in flight, ran its prefills there, and every pool and
+    held free comes back."""
+    import random
+
+    over = dict(max_total_tokens=500, chunked_prefill_size=48)
+    side = _engine("none", **over)
+    behind = _engine("none", prefill_side_stream=False, **over)
+    assert side.worker.side is not None and behind.worker.side is None and side.mem.held is not None
+    rng = random.Random(5)
+    script = []
+    for i in range(48):
+        p = [rng.randrange(1, 250) for _ in range(rng.randint(3, 90))]
+        sp = SamplingParams(temperature=0, max_new_tokens=rng.randint(4, 40), stop_token_ids=[7])
+        if i % 5 == 2:
+            sp = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_new_tokens=20, logprobs=1)
+        script.append((f"r{i}", p, sp, i % 9 == 4))
+    outs = []
+    for e in (behind, side):
+        toks: dict[str, list[int]] = {}
+        live: list[str] = []
+        n = 0
+        while n < len(script) or e.has_work():
+            if n < len(script) and e.scheduler.num_steps % 2 == 0:
+                rid, p, sp, abort = script[n]
+                e.add_request(rid, p, sp)
+                toks[rid] = []
+                live.append(rid)
+                n += 1
+                if abort and len(live) > 2:
+                    e.abort(live[-2])
+            for o in e.step():
+                toks[o.rid] += o.token_ids
+        outs.append(toks)
+    assert outs[0] == outs[1]
+    st = side.stats()
+    assert st["side_stream_prefills"] >= 40 and behind.stats()["side_stream_prefills"] == 0
+    assert st["mixed_steps"] > 10 and side.scheduler.num_preemptions > 0, (st["mixed_steps"], side.scheduler.num_preemptions)
+    assert all_free(side) and all_free(behind) and not side.mem.held
+
+
 def test_prefill_graphs_keep_greedy_output_exact() -> None:
     """Through the engine: prompts of many lengths, cached prefixes and chunked prefill, every prefill
     on its graph where it fits; the output equals an engine with no graphs at all."""

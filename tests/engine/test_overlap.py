@@ -209,3 +209,89 @@ def test_arrivals_wait_a_few_steps_to_share_one_prefill(draft: str) -> None:
 def test_the_prefill_wait_is_off_by_default() -> None:
     e = tiny_engine("none", cfg=tiny_cfg())
     assert e.scheduler.prefill_wait == 0 and e.stats()["prefill_wait_steps"] == 0
+
+
+def _reuse_watch(e) -> list[str]:
+    """Record every page and request slot the memory manager gives back (with its launch count then) and
+    check every allocation: while an iteration is in flight, nothing it may still write (a row or page
+    freed after its launch) may be handed out. Returns the violations seen."""
+    mem, sch = e.mem, e.scheduler
+    freed_at: dict[tuple[str, int], int] = {}
+    bad: list[str] = []
+    free0, alloc0, ensure0 = mem._free, mem.allocator.alloc, mem.ensure
+
+    def free(pages, slot=None):
+        for p in pages:
+            freed_at[("page", p)] = mem.launches
+        if slot is not None:
+            freed_at[("slot", slot)] = mem.launches
+        free0(pages, slot)
+
+    def check(kind: str, x: int) -> None:
+        fl = sch.inflight
+        if fl is not None and freed_at.get((kind, x), -1) >= fl.seq:
+            bad.append(f"{kind} {x} freed at launch {freed_at[(kind, x)]}, reused with iteration {fl.seq} in flight")
+
+    def alloc(n):
+        got = alloc0(n)
+        for p in got or []:
+            check("page", p)
+        return got
+
+    def ensure(req, new_len, grow=0):
+        had = req.req_pool_idx
+        ok = ensure0(req, new_len, grow)
+        if had is None and req.req_pool_idx is not None:
+            check("slot", req.req_pool_idx)
+        return ok
+
+    mem._free, mem.allocator.alloc, mem.ensure = free, alloc, ensure
+    return bad
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_held_frees_keep_rows_and_pages_from_the_iteration_in_flight(hold: bool) -> None:
+    """What a prefill on its own stream needs (`MemoryManager.hold_frees`, on by default on a target-only
+    CUDA engine): under overlap, with arrivals, aborts and a pool small enough to preempt, no request slot
+    or KV page freed after the in-flight iteration's launch is handed to anyone while that iteration is
+    in flight; outputs equal an engine that frees at once; the audit holds after every step and nothing
+    is left held or lost once the work drains. Without holding, the same run does reuse such pages and
+    slots (so the check can fail)."""
+    cfg = tiny_cfg()
+    over = dict(max_total_tokens=260, graph_emulate=True, prefill_graph_max_tokens=32, chunked_prefill_size=16)
+    ref = tiny_engine("none", cfg=cfg, **over)
+    e = tiny_engine("none", cfg=cfg, **over)
+    for x in (ref, e):
+        x.scheduler.overlap = True
+    if hold:
+        e.mem.hold_frees()
+    bad = _reuse_watch(e)
+    rng = random.Random(3)
+    script = []
+    for i in range(70):
+        p = [rng.randrange(1, 256) for _ in range(rng.randint(1, 30))]
+        script.append((f"r{i}", p, greedy(rng.randint(1, 30)), rng.random() < 0.15))
+    outs = []
+    for x in (ref, e):
+        toks: dict[str, list[int]] = {}
+        live: list[str] = []
+        it = iter(script)
+        n = 0
+        while n < len(script) or x.has_work():
+            if n < len(script) and x.scheduler.num_steps % 2 == 0:
+                rid, p, sp, abort = next(it)
+                x.add_request(rid, p, sp)
+                toks[rid] = []
+                live.append(rid)
+                n += 1
+                if abort and len(live) > 3:
+                    x.abort(live[-3])
+            for o in x.step():
+                toks[o.rid] += o.token_ids
+            if x is e:
+                assert not e.mem.audit(e.scheduler.running), e.mem.audit(e.scheduler.running)
+        outs.append(toks)
+    assert outs[0] == outs[1]
+    assert e.scheduler.num_preemptions > 0 and e.scheduler.num_mixed > 0
+    assert all_free(e) and not e.mem.held
+    assert not bad if hold else bad
