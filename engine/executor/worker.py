@@ -435,11 +435,13 @@ class TargetWorker:
             reqs[i].state_slot = reqs[i].req_pool_idx
         done = [r.kv_len + c >= r.prefill_len for r, c in zip(reqs, chunks)]
         first = [d and not r.output_ids for r, d in zip(reqs, done)]
-        if any(first):
-            fr = [r for r, f in zip(reqs, first) if f]
-            flags = self.state.flags([r.req_pool_idx for r in fr], fr)  # type: ignore[misc]
-            if not (flags.plain and flags.logprobs < 0 and all(r.constraint is None for r in fr)):
-                first = [False] * len(reqs)  # sampled on the host's path (`finish_prefill`)
+        # The graph commits the first tokens where every one is a plain greedy argmax (what `flags` would
+        # say of these rows, from the parameters: no bans before a first token unless min_new_tokens, no
+        # logprobs, no grammar or logit bias); else the host's path samples them (`finish_prefill`).
+        if not all(r.constraint is None and r.params.temperature == 0.0 and not r.params.has_penalties
+                   and r.params.min_new_tokens <= 0 and r.params.logprobs is None
+                   for r, f in zip(reqs, first) if f):
+            first = [False] * len(reqs)
         tail = np.zeros((TAIL_ROWS, len(reqs)), dtype=np.int64)
         tail[0], tail[1] = first, done
         if new:
@@ -478,8 +480,9 @@ class TargetWorker:
     def prefill_stream(self) -> Iterator[None]:
         """Where the scheduler schedules and runs a prefill: on the prefill stream while this lasts (its
         KV pages' map writes, its input copy, its graph and first tokens), after which the main stream
-        waits for it, so the next iteration (which decodes the new requests too) comes after the prefill
-        and the iteration in flight runs beside it. Two graphs at once need their own memory pools (the
+        waits for it (when a prefill was scheduled: a step without one queues nothing there), so the next
+        iteration (which decodes the new requests too) comes after the prefill and the iteration in
+        flight runs beside it. Two graphs at once need their own memory pools (the
         prefill graphs have one, `capture_graphs`), and a row or page a finished request gave back must
         not be reused while that iteration may still write it (`MemoryManager.hold_frees`). Without a
         prefill stream, nothing changes."""
@@ -490,8 +493,9 @@ class TargetWorker:
         n = self.prefills
         with torch.cuda.stream(self.side):
             yield
-        main.wait_stream(self.side)
-        self.side_prefills += self.prefills - n
+        if self.prefills != n:  # (no prefill scheduled: nothing went to the stream, a decode step pays nothing)
+            main.wait_stream(self.side)
+            self.side_prefills += self.prefills - n
 
     def prefill(self, reqs: list[Req], chunks: list[int], defer_fill: bool = False) -> list[StepResult]:
         # (`defer_fill` is the speculative worker's: its draft layers' pass may wait for the next call.)
