@@ -268,24 +268,9 @@ def test_a_prefill_on_its_own_stream_equals_one_behind_the_iteration() -> None:
         if i % 5 == 2:
             sp = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_new_tokens=20, logprobs=1)
         script.append((f"r{i}", p, sp, i % 9 == 4))
-    outs = []
-    for e in (behind, side):
-        toks: dict[str, list[int]] = {}
-        live: list[str] = []
-        n = 0
-        while n < len(script) or e.has_work():
-            if n < len(script) and e.scheduler.num_steps % 2 == 0:
-                rid, p, sp, abort = script[n]
-                e.add_request(rid, p, sp)
-                toks[rid] = []
-                live.append(rid)
-                n += 1
-                if abort and len(live) > 2:
-                    e.abort(live[-2])
-            for o in e.step():
-                toks[o.rid] += o.token_ids
-        outs.append(toks)
-    assert outs[0] == outs[1]
+    from tests.engine.test_overlap import _scripted
+
+    assert _scripted(behind, script, back=2) == _scripted(side, script, back=2)
     st = side.stats()
     assert st["side_stream_prefills"] >= 40 and behind.stats()["side_stream_prefills"] == 0
     assert st["mixed_steps"] > 10 and side.scheduler.num_preemptions > 0, (st["mixed_steps"], side.scheduler.num_preemptions)

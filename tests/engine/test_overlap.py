@@ -211,6 +211,28 @@ def test_the_prefill_wait_is_off_by_default() -> None:
     assert e.scheduler.prefill_wait == 0 and e.stats()["prefill_wait_steps"] == 0
 
 
+def _scripted(e, script: list, back: int, after_step=None) -> dict[str, list[int]]:
+    """Run `script` ((rid, prompt, params, abort) each) one arrival every other step; an arrival marked
+    `abort` aborts the request added `back` arrivals before it. Tokens per request."""
+    toks: dict[str, list[int]] = {}
+    live: list[str] = []
+    n = 0
+    while n < len(script) or e.has_work():
+        if n < len(script) and e.scheduler.num_steps % 2 == 0:
+            rid, p, sp, abort = script[n]
+            e.add_request(rid, p, sp)
+            toks[rid] = []
+            live.append(rid)
+            n += 1
+            if abort and len(live) > back:
+                e.abort(live[-back])
+        for o in e.step():
+            toks[o.rid] += o.token_ids
+        if after_step is not None:
+            after_step()
+    return toks
+
+
 def _reuse_watch(e) -> list[str]:
     """Record every page and request slot the memory manager gives back (with its launch count then) and
     check every allocation: while an iteration is in flight, nothing it may still write (a row or page
@@ -271,27 +293,10 @@ def test_held_frees_keep_rows_and_pages_from_the_iteration_in_flight(hold: bool)
     for i in range(70):
         p = [rng.randrange(1, 256) for _ in range(rng.randint(1, 30))]
         script.append((f"r{i}", p, greedy(rng.randint(1, 30)), rng.random() < 0.15))
-    outs = []
-    for x in (ref, e):
-        toks: dict[str, list[int]] = {}
-        live: list[str] = []
-        it = iter(script)
-        n = 0
-        while n < len(script) or x.has_work():
-            if n < len(script) and x.scheduler.num_steps % 2 == 0:
-                rid, p, sp, abort = next(it)
-                x.add_request(rid, p, sp)
-                toks[rid] = []
-                live.append(rid)
-                n += 1
-                if abort and len(live) > 3:
-                    x.abort(live[-3])
-            for o in x.step():
-                toks[o.rid] += o.token_ids
-            if x is e:
-                assert not e.mem.audit(e.scheduler.running), e.mem.audit(e.scheduler.running)
-        outs.append(toks)
-    assert outs[0] == outs[1]
+    def audit() -> None:
+        assert not e.mem.audit(e.scheduler.running), e.mem.audit(e.scheduler.running)
+
+    assert _scripted(ref, script, back=3) == _scripted(e, script, back=3, after_step=audit)
     assert e.scheduler.num_preemptions > 0 and e.scheduler.num_mixed > 0
     assert all_free(e) and not e.mem.held
     assert not bad if hold else bad
