@@ -300,3 +300,37 @@ def test_held_frees_keep_rows_and_pages_from_the_iteration_in_flight(hold: bool)
     assert e.scheduler.num_preemptions > 0 and e.scheduler.num_mixed > 0
     assert all_free(e) and not e.mem.held
     assert not bad if hold else bad
+
+
+def test_held_frees_wait_for_the_iterations_launched_before_them() -> None:
+    """`MemoryManager.hold_frees` alone: what a request gives back is neither free nor lost while held
+    (the audit counts it, `idle_problems` names it), `settle(n)` frees what was given back before the
+    (n+1)-th launch and keeps the rest, `settle()` frees everything; a prefix-cache insert is not held."""
+    from types import SimpleNamespace
+
+    from mleagle.engine.memory.allocator import SlotAllocator
+    from mleagle.engine.memory.manager import MemoryManager
+    from mleagle.engine.memory.req_to_token import ReqToTokenPool
+
+    mem = MemoryManager(SlotAllocator(64), [ReqToTokenPool("t", 4, 32, "cpu")], prefix_cache=True)
+    mem.hold_frees()
+
+    def req() -> SimpleNamespace:
+        r = SimpleNamespace(req_pool_idx=None, pages=[], prefix_node=None, cached_len=0)
+        assert mem.ensure(r, 10)
+        return r
+
+    a, b = req(), req()
+    free0, slots0 = len(mem.allocator.free_pages), len(mem.free_reqs)
+    mem.launches = 3
+    mem.release(a, keep=list(range(100, 104)))  # 4 tokens into the cache, 6 pages and the slot held
+    mem.launches = 5
+    mem.release(b)
+    assert len(mem.allocator.free_pages) == free0 and len(mem.free_reqs) == slots0
+    assert not mem.audit([]) and mem.idle_problems()[0] == "idle: 2 frees still held"
+    assert mem.cache is not None and mem.cache.evictable_tokens == 4  # the insert was not held
+    mem.settle(4)  # launches 1..4 have ended: a's frees (made when 3 had launched) are free, b's not
+    assert len(mem.allocator.free_pages) == free0 + 6 and len(mem.free_reqs) == slots0 + 1
+    mem.settle()
+    assert len(mem.allocator.free_pages) == free0 + 16 and len(mem.free_reqs) == slots0 + 2
+    assert not mem.held and not mem.idle_problems()
