@@ -46,6 +46,7 @@ from mleagle.engine.core.request import Req
 from mleagle.engine.core.scheduler import Scheduler, StepReport
 from mleagle.engine.distributed import LOCAL, TPGroup, current
 from mleagle.engine.errors import EngineInputError
+from mleagle.engine.executor.extend_graph import ExtendGraphRunner
 from mleagle.engine.executor.results import device_wait
 from mleagle.engine.executor.runner import ModelRunner, build_runner, rank_heads
 from mleagle.engine.executor.worker import GraphSettings, TargetWorker
@@ -277,8 +278,6 @@ class Engine:
     def _side_stream(self) -> bool:
         """A prefill stream (`TargetWorker.prefill_stream`): target-only under overlap scheduling with
         prefill graphs, one rank, no fused mixed steps (which read the iteration in flight)."""
-        from mleagle.engine.executor.extend_graph import ExtendGraphRunner
-
         return (self.cfg.engine.prefill_side_stream and self.scheduler.overlap and self.tp.size == 1
                 and self.worker.side_ok and isinstance(self.target.extend_graphs, ExtendGraphRunner)
                 and not self.worker.fuse_mixed and self.device.type == "cuda")

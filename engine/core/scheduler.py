@@ -148,10 +148,10 @@ class Scheduler:
                 if ready:
                     plan = self.worker.plan(ready)
                     split = self.worker.launch_split(ready, plan)
-                    if split is not None:
-                        self.mem.launches += 1
                     if split is None:
                         self.worker.hold(plan)
+                    else:  # its forward half is on the device: a launch (`complete` makes it a Pending)
+                        self.mem.launches += 1
             elif self.overlap and not aborts:
                 # A mixed step: arrivals (or the next chunk of a long prompt) prefill first, behind the
                 # iteration in flight, and the next iteration launches over every decoding request (the
