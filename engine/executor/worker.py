@@ -131,7 +131,7 @@ class TargetWorker:
         # The last prefill's first tokens, on their way back, and the results they belong to (`settle_prefill`;
         # None for a row of the copy that is not a first token).
         self._first: tuple[Pending, list[StepResult | None]] | None = None
-        # The prefill batch `prefill_batch` staged into the target's prefill graph, and whether that graph
+        # The prefill batch `prefill_input` staged into the target's prefill graph, and whether that graph
         # commits its first tokens (else `finish_prefill` samples them).
         self._staged: tuple[ForwardBatch, bool] | None = None
         self.graph_first_tokens = 0  # first tokens a prefill graph sampled and committed (the rest: `finish_prefill`)

@@ -75,22 +75,23 @@ class MemoryManager:
         keep = []
         for tag, pages, slot in self.held:
             if launched is None or tag <= launched:
-                if pages:
-                    self.allocator.free(pages)
-                if slot is not None:
-                    self.free_reqs.append(slot)
+                self._give_back(pages, slot)
             else:
                 keep.append((tag, pages, slot))
         self.held = keep
 
     def _free(self, pages: list[int], slot: int | None = None) -> None:
+        """Free a request's pages and its slot, or hold them (`hold_frees`)."""
         if self.held is None:
-            if pages:
-                self.allocator.free(pages)
-            if slot is not None:
-                self.free_reqs.append(slot)
+            self._give_back(pages, slot)
         elif pages or slot is not None:
             self.held.append((self.launches, list(pages), slot))
+
+    def _give_back(self, pages: list[int], slot: int | None) -> None:
+        if pages:
+            self.allocator.free(pages)
+        if slot is not None:
+            self.free_reqs.append(slot)
 
     def add_map(self, m: ReqToTokenPool) -> None:
         if m.max_reqs != self.max_reqs or m.max_context != self.max_context:

@@ -425,7 +425,7 @@ def test_the_emulated_draft_fill_graph_equals_the_per_layer_fill_at_every_token_
 @pytest.mark.parametrize("draft", ["none", "random:3"])
 def test_a_prefill_graph_commits_plain_first_tokens_as_the_host_does(draft: str) -> None:
     """Plain greedy prompts on an (emulated) prefill graph get their first token from the graph itself
-    (sampled, committed and their KV lengths set inside it, `TargetWorker.graph_first`); the rest keep
+    (sampled, committed and their KV lengths set inside it, `TargetWorker.graph_tail`); the rest keep
     the host's sampling after the replay: `check_graph_first_tokens` against the same engine without
     prefill graphs."""
     common = dict(graph_emulate=True, chunked_prefill_size=48, max_total_tokens=420)
