@@ -42,6 +42,7 @@ from mleagle.engine.executor.forward_batch import (
     Layout,
     RowMeta,
     check_binding,
+    ragged_rows,
     row_meta,
 )
 from mleagle.engine.executor.runner import ModelRunner
@@ -237,24 +238,22 @@ class ExtendGraphRunner:
         if t is None:
             return None
         out, v, meta = self._host_buffer(t)
-        el = np.asarray(extend_lens, dtype=np.int64)
-        pl = np.asarray(prefix_lens, dtype=np.int64)
-        ends = np.cumsum(el)
+        pos, row_req, rpi_a, starts, last, seq = ragged_rows(prefix_lens, extend_lens, rpi)
         v["input_ids"][:n] = ids
-        v["positions"][:n] = np.arange(n, dtype=np.int64) + np.repeat(pl - (ends - el), el)
-        v["row_req"][:n] = np.repeat(np.asarray(rpi, dtype=np.int64), el)
-        v["rpi"][:bs] = rpi
-        v["logit_rows"][:bs] = ends - 1
-        meta[0, :bs] = pl + el
-        meta[1, :bs] = ends - el
-        meta[2, :bs] = el
+        v["positions"][:n] = pos
+        v["row_req"][:n] = row_req
+        v["rpi"][:bs] = rpi_a
+        v["logit_rows"][:bs] = last
+        meta[0, :bs] = seq
+        meta[1, :bs] = starts
+        meta[2, :bs] = extend_lens
         if tail is not None:
             v["tail"].reshape(self.tail_rows, self.slots(t))[:, :bs] = tail
         self._pad(v, meta, n, bs)
         self.ints[t].copy_(torch.from_numpy(out), non_blocking=True)
         base, f = self.view(t), self.fields(t)
         pad = [0] * (self.slots(t) - bs)
-        seq_max = int((pl + el).max())
+        seq_max = int(seq.max())
         sb = dataclasses.replace(base, extend_lens=list(extend_lens) + pad, prefix_lens=list(prefix_lens) + pad,
                                  rids=rids, max_seq_len=seq_max)
         live = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=f["input_ids"][:n], positions=f["positions"][:n],

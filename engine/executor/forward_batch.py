@@ -225,6 +225,21 @@ class ForwardBatch:
                         all_rows=self.all_logit_rows, tp_size=tp_size, layout=layout)
 
 
+def ragged_rows(prefix_lens: list[int], extend_lens: list[int], req_pool_indices: list[int],
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A ragged batch's host arithmetic, in numpy (a prefill step does it for every request it carries,
+    and each small torch op costs a few microseconds where numpy's costs one): each token row's position
+    (prefix_len..prefix_len+extend_len-1 per request) and request slot, then per request its slot, first
+    row, last row and KV length after the forward."""
+    el = np.asarray(extend_lens, dtype=np.int64)
+    pl = np.asarray(prefix_lens, dtype=np.int64)
+    rpi = np.asarray(req_pool_indices, dtype=np.int64)
+    ends = np.cumsum(el)
+    starts = ends - el
+    pos = np.arange(int(ends[-1]) if el.size else 0, dtype=np.int64) + np.repeat(pl - starts, el)
+    return pos, np.repeat(rpi, el), rpi, starts, ends - 1, pl + el
+
+
 def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_pool_indices: list[int],
                 prefix_lens: list[int], extend_lens: list[int], req_to_token: torch.Tensor,
                 width: int = 1, all_logit_rows: bool = False, pruned_rows: list[int] | None = None,
@@ -237,20 +252,12 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     bs = len(extend_lens)
     if mode.uniform and any(e != width for e in extend_lens):
         raise ValueError(f"{mode.value} needs exactly {width} rows per request, got {extend_lens}")
-    # The host side in numpy (a prefill step builds it for every request it carries, and each small torch
-    # op costs a few microseconds where numpy's costs one): positions p..p+e-1 per request, each row's
-    # request slot, the requests' last rows.
-    el = np.asarray(extend_lens, dtype=np.int64)
-    pl = np.asarray(prefix_lens, dtype=np.int64)
-    n_tok = int(el.sum())
-    ends = np.cumsum(el) - 1
-    pos = np.arange(n_tok, dtype=np.int64) + np.repeat(pl - (ends + 1 - el), el)
-    rpi = np.asarray(req_pool_indices, dtype=np.int64)
-    row_req = np.repeat(rpi, el)
+    pos, row_req, rpi, _, last, seq = ragged_rows(prefix_lens, extend_lens, req_pool_indices)
+    n_tok = int(pos.size)
     if pruned_rows is not None:
         rows = np.asarray(pruned_rows, dtype=np.int64)
     elif mode is ForwardMode.EXTEND and not all_logit_rows:
-        rows = ends
+        rows = last
     elif mode is ForwardMode.DECODE:
         rows = np.arange(bs, dtype=np.int64)
     else:
@@ -258,7 +265,6 @@ def build_batch(mode: ForwardMode, *, input_ids: list[int] | torch.Tensor, req_p
     n = num_logit_rows(mode, bs, width, all_rows=all_logit_rows, num_tokens=n_tok, pruned=pruned_rows is not None)
     if rows.size != n:
         raise AssertionError(f"logit rows {rows.size} != num_logit_rows {n} for {mode.value}")
-    seq = pl + el
     # Everything the host built goes to the device in one non-blocking copy, split there into views:
     # a copy per tensor costs a launch each, and a prefill's first token waits for all of them. (Indexing
     # a CUDA tensor with CPU indices would copy them synchronously, waiting for the iteration in flight.)
