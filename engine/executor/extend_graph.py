@@ -34,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets, held_output
+from mleagle.engine.executor.capture import Capture, GraphStats, MetaMismatch, capture_buckets
 from mleagle.engine.executor.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -45,6 +45,7 @@ from mleagle.engine.executor.forward_batch import (
     ragged_rows,
     row_meta,
 )
+from mleagle.engine.executor.graph_runner import replay
 from mleagle.engine.executor.runner import ModelRunner
 
 Tail = Callable[[ForwardBatch, ForwardOutput, torch.Tensor], torch.Tensor]
@@ -324,13 +325,7 @@ class ExtendGraphRunner:
         cap = self.caps[t]
         sb = self.static_batch(batch, t)
         self._staged = None
-        if cap.graph is None:  # emulated: the body eagerly on the same buffers, its output held as a graph's
-            out = held_output(self._emu, t, self._body(t, sb))
-        else:
-            self.runner.binding.backend.plan(sb)
-            cap.graph.replay()
-            assert cap.out is not None
-            out = cap.out
+        out = replay(self.runner, cap, sb, self._emu, t, body=lambda: self._body(t, sb))
         self.stats.replays[t] += 1
         return ForwardOutput(out.logits[: batch.bs], out.hidden[: batch.num_tokens], graph_bs=t,
                              tokens=out.tokens[: batch.bs] if out.tokens is not None else None)

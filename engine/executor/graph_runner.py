@@ -24,6 +24,7 @@ forward instead of a replay, so the CPU tests exercise everything but the graph 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -211,12 +212,14 @@ class GraphRunner:
 
 
 def replay(runner: ModelRunner, cap: Capture[RowMeta, ForwardOutput], sb: ForwardBatch,
-           emu: dict[int, ForwardOutput], key: int) -> ForwardOutput:
+           emu: dict[int, ForwardOutput], key: int,
+           body: Callable[[], ForwardOutput] | None = None) -> ForwardOutput:
     """A captured forward over its static batch `sb`: the runner's backend planned, then the graph
-    replayed; emulated (no graph), the runner's eager forward on the same buffers, its output held in
-    bucket `key`'s tensors as a replay's are (`held_output`). Both graph runners run through this."""
+    replayed; emulated (no graph), what was captured run eagerly on the same buffers (`body`, by default
+    the runner's eager forward), its output held in bucket `key`'s tensors as a replay's are
+    (`held_output`). Both graph runners run through this."""
     if cap.graph is None:
-        return held_output(emu, key, runner.forward_eager(sb, observe=False))
+        return held_output(emu, key, body() if body is not None else runner.forward_eager(sb, observe=False))
     runner.binding.backend.plan(sb)
     cap.graph.replay()
     assert cap.out is not None
