@@ -15,7 +15,8 @@ a table (median over the rounds, min-max) and writes JSON. The saving `one strea
 what a side-stream prefill could take off an arrival's device cost; it would also need its own pool,
 the KV pages and request slots a finished request frees kept from reuse until the iterations in
 flight that may still touch them have ended, and the next iteration ordered after the prefill. Stop
-53's H100 run: decode 1,105 µs, prefill 1,049, one stream 2,485, two streams 1,974 (one round).
+53's H100 run (`results/gpu/stop53/prefill_overlap.log`, three rounds): decode 911 µs, prefill 1,057,
+one stream 1,963, two streams 1,213.
 """
 
 from __future__ import annotations

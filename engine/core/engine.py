@@ -276,11 +276,11 @@ class Engine:
         return TargetWorker(self.target, self.device, frozenset(self.eos_ids), self.arch.vocab_size, self.max_reqs)
 
     def _side_stream(self) -> bool:
-        """A prefill stream (`TargetWorker.prefill_stream`): target-only under overlap scheduling with
-        prefill graphs, one rank, no fused mixed steps (which read the iteration in flight)."""
+        """A prefill stream (`TargetWorker.prefill_stream`): target-only under overlap scheduling (CUDA
+        only) with prefill graphs, one rank, no fused mixed steps (which read the iteration in flight)."""
         return (self.cfg.engine.prefill_side_stream and self.scheduler.overlap and self.tp.size == 1
                 and self.worker.side_ok and isinstance(self.target.extend_graphs, ExtendGraphRunner)
-                and not self.worker.fuse_mixed and self.device.type == "cuda")
+                and not self.worker.fuse_mixed)
 
     def _overlap(self) -> bool:
         """Overlap scheduling on CUDA, unless a backend plans from exact host lengths (FlashInfer)."""

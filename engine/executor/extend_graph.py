@@ -170,6 +170,9 @@ class ExtendGraphRunner:
         n, bs = (batch.num_tokens, batch.bs) if batch is not None else (0, 0)
         if batch is not None and self.hidden_in is not None and batch.hidden_in is None:
             raise ValueError("a draft prefill batch without input hidden states")
+        rows = batch.host.fields.get("row_req") if batch is not None and batch.host is not None else None
+        if batch is not None and rows is None:  # (each token's request row: the graph's KV-slot lookup)
+            raise ValueError("a prefill batch without its host rows: build it with build_batch, or stage it")
         out, v, meta = self._host_buffer(t)
         f = self._fields[t]
         later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, device tensor) copied after the packed copy
@@ -186,12 +189,8 @@ class ExtendGraphRunner:
                 else:
                     v[name][:m] = got
             ext = np.asarray(batch.extend_lens, dtype=np.int64)
-            rr = h.fields.get("row_req") if h is not None else None
-            if rr is not None:
-                v["row_req"][:n] = rr[0]
-            else:  # (every EXTEND batch is built by `build_batch`, which keeps it; a view made otherwise)
-                later.append((f["row_req"][:n], torch.repeat_interleave(
-                    batch.req_pool_indices, torch.from_numpy(ext).to(batch.req_pool_indices.device))))
+            assert rows is not None
+            v["row_req"][:n] = rows[0]
             meta[0, :bs] = np.asarray(batch.prefix_lens, dtype=np.int64) + ext
             meta[1, :bs] = np.cumsum(ext) - ext
             meta[2, :bs] = ext

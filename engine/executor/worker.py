@@ -69,6 +69,7 @@ MASKED = dataclasses.replace(PLAIN, constrained=True)  # a plain greedy batch wi
 # The target prefill graph's tail rows per request (`prefill_input`, `graph_tail`): commit the greedy first
 # token, set the KV length, admit, then the admitted row's field values (`SlotState.ADMIT_ROWS`).
 TAIL_ROWS = 3 + ADMIT_ROWS
+_NO_STREAM = contextlib.nullcontext()  # `prefill_stream` without a prefill stream (entered every step)
 
 
 @dataclass(frozen=True)
@@ -476,8 +477,7 @@ class TargetWorker:
         for r in new:
             r.state_slot = r.req_pool_idx
 
-    @contextlib.contextmanager
-    def prefill_stream(self) -> Iterator[None]:
+    def prefill_stream(self) -> contextlib.AbstractContextManager[None]:
         """Where the scheduler schedules and runs a prefill: on the prefill stream while this lasts (its
         KV pages' map writes, its input copy, its graph and first tokens), after which the main stream
         waits for it (when a prefill was scheduled: a step without one queues nothing there), so the next
@@ -485,10 +485,12 @@ class TargetWorker:
         flight runs beside it. Two graphs at once need their own memory pools (the
         prefill graphs have one, `capture_graphs`), and a row or page a finished request gave back must
         not be reused while that iteration may still write it (`MemoryManager.hold_frees`). Without a
-        prefill stream, nothing changes."""
-        if self.side is None:
-            yield
-            return
+        prefill stream, nothing changes (and a step pays no more than entering a null context)."""
+        return _NO_STREAM if self.side is None else self._on_side()
+
+    @contextlib.contextmanager
+    def _on_side(self) -> Iterator[None]:
+        assert self.side is not None
         main = torch.cuda.current_stream(self.device)
         n = self.prefills
         with torch.cuda.stream(self.side):

@@ -305,6 +305,9 @@ def test_a_prefill_replay_fills_its_buffers_in_one_copy_and_pads_the_rest() -> N
     assert ids[:40].tolist() == list(range(100, 140)) and not ids[40:].any()
     assert torch.equal(pos[:40], small.positions) and not pos[40:].any()
     assert row_req.tolist() == [reqs[1].req_pool_idx] * 40 + [g.pad_row] * 24
+    with pytest.raises(ValueError, match="host rows"):  # (its rows are what the graph's KV lookup reads)
+        g.static_batch(dataclasses.replace(small, host=None), 64)
+    g.static_batch(small, 64)
     g.run(small)  # the graph's own KV slots: the batch's, then the pad slot
     assert torch.equal(g.loc[:40], small.out_cache_loc) and not g.loc[40:64].any()
     r = g.slots(64)
