@@ -1,6 +1,7 @@
 """What an engine step costs the host beside the model: `Engine.generate` on the CPU with a model small
 enough that its forward is not everything. From the repository root:
-`python scripts/engine_host_step.py [--config tiny-dummy] [--batch-sizes 32,64] [--repeats 5] [--output F.json]`.
+`python scripts/engine_host_step.py [--config tiny-dummy] [--batch-sizes 32,64] [--repeats 5] [--set FIELD=VALUE]
+[--output F.json]`.
 
 Each repeat is one `Engine.generate` over a static batch of random prompts (30-90 tokens) whose
 `max_new_tokens` are drawn from 64-256, so requests finish on different steps as served answers do.
@@ -368,6 +369,8 @@ def main() -> None:
                          "the op count then includes what filling them costs")
     ap.add_argument("--events", action="store_true",
                     help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an engine config field for the measured engine (repeatable), e.g. prefill_join_late=false")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     import torch
@@ -380,6 +383,9 @@ def main() -> None:
     over: dict[str, Any] = {"spec_policy": a.spec_policy} if a.draft != "none" else {}
     if a.emulate_graphs:
         over["graph_emulate"] = True
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        over[k] = json.loads(v.lower()) if v.lower() in ("true", "false") or v.lstrip("-").isdigit() else v
     e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss),
                max_total_tokens=a.pool_tokens or max(bss) * max(400, 61 + arrival_tokens(a.arrivals) + 8) + 1024,
                **over)
@@ -459,7 +465,7 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "emulate_graphs": a.emulate_graphs, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops},
+               "events": a.events, "emulate_graphs": a.emulate_graphs, "set": a.set, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops},
                "bookkeeping_us": {"rows": bb, "runs": books, "median": book},
                "arrival_into_batch": {"runs": arr, **({k: statistics.median(r[k] for r in arr) for k in ("iteration_us", "arrival_us")} if arr else {})}}
         Path(a.output).write_text(json.dumps(out, indent=1))

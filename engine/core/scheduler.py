@@ -33,8 +33,11 @@ are; the arrivals decode from N+2. It saves the arrival's second forward, but it
 comes out of N+1 rather than before it, and the decoding rows leave their whole-iteration graph: served
 on one H100 it did not pay (see the engine config's comment). A target-only CUDA engine runs the
 prefill on a stream of its own instead (`TargetWorker.prefill_stream`, `prefill_side_stream`): the
-prefill's scheduling (its KV pages' map writes) and forward go there, beside N, and N+1 waits for them
-on the main stream. Since N may still write the row and the KV slot after the last token of a request
+prefill's scheduling (its KV pages' map writes) and forward go there, beside N; the requests it starts
+are left out of N+1 (`prefill_join_late`, on by default) and decode from N+2, which the main stream
+queues only after the prefill (`TargetWorker.join_prefill`, first thing in the next step), so the prefill
+runs beside N and N+1 and delays neither (with `prefill_join_late` off, N+1 waits for it and carries
+them). Since N may still write the row and the KV slot after the last token of a request
 it finishes, what such a request gives back is held until N has ended (`MemoryManager.hold_frees`:
 `settle` after each finish, everything once nothing is in flight).
 With a constrained request running, a grammar-masked iteration N+1 launches its forward half before
@@ -137,6 +140,7 @@ class Scheduler:
         aborts = [r for r in list(self.waiting) + self.running if r.abort_requested]
         results: list[tuple[Req, StepResult]] = []
         rep = StepReport(step=self.num_steps)
+        self.worker.join_prefill()  # the last step's late prefill, before this one's main-stream work
         if self.inflight is not None:
             # Steady decoding: launch the next step first, then finish the one in flight.
             nxt = None
@@ -158,7 +162,7 @@ class Scheduler:
                 # new ones too), so an arrival costs the running requests its prefill, not a drain.
                 # With a prefill stream (`TargetWorker.side`) the prefill, its KV pages' map writes
                 # included, runs beside the iteration in flight, and the next one waits for it.
-                with self.worker.prefill_stream():
+                with self.worker.prefill_stream(late=True):
                     batch = self._schedule_prefill() if self._want_prefill() else None
                     fused = False
                     if batch is not None:
@@ -177,8 +181,12 @@ class Scheduler:
                         rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
                         self.num_mixed += 1
                         rep.forwards = list(self.worker.forwards)
-                ready = None if fused else self._decode_ready(self.worker.lookahead * 2)
+                # With `join_late` the requests this prefill started decode from the iteration after the
+                # next, which so need not wait for the prefill (`TargetWorker.prefill_stream`).
+                late = batch[0] if batch is not None and not fused and self.worker.join_late else []
+                ready = None if fused else self._decode_ready(self.worker.lookahead * 2, skip=late)
                 if ready:
+                    self.worker.late_joins += sum(not r.prefilling for r in late)
                     plan = self.worker.plan(ready)
                     if plan.catch_up:  # the draft layers' catch-up reads host lengths: after this finish
                         self.worker.hold(plan)
@@ -292,9 +300,11 @@ class Scheduler:
         first = min(head.prefill_len - head.kv_len, self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens)
         return self.mem.can_ensure(head, head.kv_len + first)
 
-    def _decode_ready(self, la: int) -> list[Req] | None:
-        """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
-        ready = [r for r in self.running if not r.prefilling]
+    def _decode_ready(self, la: int, skip: list[Req] | None = None) -> list[Req] | None:
+        """Every running request (but those in `skip`), with KV for `la` more positions, or None (without
+        preempting anyone)."""
+        out = {id(r) for r in skip or ()}
+        ready = [r for r in self.running if not r.prefilling and id(r) not in out]
         mem = self.mem
         for r in ready:
             if not (mem.covers(r, r.kv_len + la) or mem.ensure(r, min(r.kv_len + la, mem.max_context), DECODE_GROW)):

@@ -334,3 +334,50 @@ def test_held_frees_wait_for_the_iterations_launched_before_them() -> None:
     mem.settle()
     assert len(mem.allocator.free_pages) == free0 + 16 and len(mem.free_reqs) == slots0 + 2
     assert not mem.held and not mem.idle_problems()
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_late_joins_leave_a_prefills_requests_out_of_the_next_iteration(late: bool) -> None:
+    """`TargetWorker.join_late` (on with the prefill stream): in a mixed step the iteration launched after
+    the prefill leaves out the requests whose prompt that prefill finished (they decode from the one after,
+    so on the GPU it need not wait for the prefill), counted in `late_joins`; with arrivals, aborts,
+    chunks and preemption the outputs equal an engine that frees at once and joins at once, no row or
+    page is reused under the iteration in flight, nothing is left held or lost. Off, such an iteration
+    does carry them (so the check can fail)."""
+    cfg = tiny_cfg()
+    over = dict(max_total_tokens=260, graph_emulate=True, prefill_graph_max_tokens=32, chunked_prefill_size=16)
+    ref = tiny_engine("none", cfg=cfg, **over)
+    e = tiny_engine("none", cfg=cfg, **over)
+    for x in (ref, e):
+        x.scheduler.overlap = True
+    e.mem.hold_frees()
+    e.worker.join_late = late
+    bad = _reuse_watch(e)
+    log: list[tuple[str, int, set[str]]] = []
+    prefill0, launch0 = e.worker.prefill, e.worker.launch
+
+    def prefill(reqs, chunks, defer_fill=False):
+        res = prefill0(reqs, chunks, defer_fill)
+        log.append(("prefill", e.scheduler.num_steps, {r.rid for r in reqs if not r.prefilling}))
+        return res
+
+    def launch(reqs, plan=None):
+        log.append(("launch", e.scheduler.num_steps, {r.rid for r in reqs}))
+        return launch0(reqs, plan)
+
+    e.worker.prefill, e.worker.launch = prefill, launch
+    rng = random.Random(8)
+    script = []
+    for i in range(60):
+        p = [rng.randrange(1, 256) for _ in range(rng.randint(1, 30))]
+        script.append((f"r{i}", p, greedy(rng.randint(1, 30)), rng.random() < 0.15))
+    assert _scripted(ref, script, back=3) == _scripted(e, script, back=3)
+    # A prefill and the launch after it in one step (a mixed step): the requests both carry.
+    both = [p[2] & q[2] for p, q in itertools.pairwise(log) if p[0] == "prefill" and q[0] == "launch" and p[1] == q[1]]
+    assert len(both) >= 10 and e.scheduler.num_preemptions > 0
+    if late:
+        assert not any(both) and e.worker.late_joins >= 10
+    else:
+        assert any(both) and e.worker.late_joins == 0
+    assert e.stats()["late_joins"] == e.worker.late_joins
+    assert not bad and all_free(e) and not e.mem.held and e.scheduler.inflight is None
