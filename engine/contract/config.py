@@ -176,11 +176,11 @@ class EngineConfig(BaseModel):
     # against 1,963 one after the other (results/gpu/stop53/prefill_overlap.log). Rows and pages a
     # finished request gives back then wait until the iterations that may still write them have ended.
     prefill_side_stream: bool = True
-    # ... and the requests such a prefill starts (in a step with an iteration in flight) decode from the
-    # iteration after the next one, so that the next one need not wait for the prefill: a 60-token prefill
-    # graph takes the device longer than a decode iteration of 32 (1,057 against 911 us on one H100), so
-    # waiting for it delays the running batch by most of an iteration. Their second token comes one
-    # iteration later; their first is as early as before.
+    # ... and a step with an iteration in flight launches the next one before such a prefill, whose
+    # requests decode from the one after, so that the next one waits neither for the prefill's host work
+    # nor for its forward (a 60-token prefill graph takes the device longer than a decode iteration of 32:
+    # 1,057 against 911 us on one H100). Their second token comes one iteration later, their first as
+    # early as before.
     prefill_join_late: bool = True
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True

@@ -33,11 +33,12 @@ are; the arrivals decode from N+2. It saves the arrival's second forward, but it
 comes out of N+1 rather than before it, and the decoding rows leave their whole-iteration graph: served
 on one H100 it did not pay (see the engine config's comment). A target-only CUDA engine runs the
 prefill on a stream of its own instead (`TargetWorker.prefill_stream`, `prefill_side_stream`): the
-prefill's scheduling (its KV pages' map writes) and forward go there, beside N; the requests it starts
-are left out of N+1 (`prefill_join_late`, on by default) and decode from N+2, which the main stream
-queues only after the prefill (`TargetWorker.join_prefill`, first thing in the next step), so the prefill
-runs beside N and N+1 and delays neither (with `prefill_join_late` off, N+1 waits for it and carries
-them). Since N may still write the row and the KV slot after the last token of a request
+prefill's scheduling (its KV pages' map writes) and forward go there, beside N. With
+`prefill_join_late` (on by default) the mixed step launches N+1 first, over the requests decoding
+already, and then the prefill, whose requests decode from N+2, which the main stream queues only after
+the prefill (`TargetWorker.join_prefill`, first thing in the next step): neither the prefill's host work
+nor its device time delays an iteration. Off, the prefill comes first and N+1 waits for it and carries
+its requests. Since N may still write the row and the KV slot after the last token of a request
 it finishes, what such a request gives back is held until N has ended (`MemoryManager.hold_frees`:
 `settle` after each finish, everything once nothing is in flight).
 With a constrained request running, a grammar-masked iteration N+1 launches its forward half before
@@ -161,8 +162,14 @@ class Scheduler:
                 # iteration in flight, and the next iteration launches over every decoding request (the
                 # new ones too), so an arrival costs the running requests its prefill, not a drain.
                 # With a prefill stream (`TargetWorker.side`) the prefill, its KV pages' map writes
-                # included, runs beside the iteration in flight, and the next one waits for it.
-                with self.worker.prefill_stream(late=True):
+                # included, runs beside the iteration in flight, and the next one waits for it; or, with
+                # `join_late`, the next one launches first, over the requests decoding already, and the
+                # ones this prefill starts decode from the one after (`TargetWorker.prefill_stream`): the
+                # prefill's host work and its device time then delay no iteration.
+                late = self.worker.join_late
+                if late:
+                    nxt = self._launch_ready()
+                with self.worker.prefill_stream(late=late):
                     batch = self._schedule_prefill() if self._want_prefill() else None
                     fused = False
                     if batch is not None:
@@ -170,7 +177,8 @@ class Scheduler:
                         # With `fuse_mixed_steps`, the arrivals' prompts and the decoding rows' next tokens
                         # as one forward (the arrivals, still prefilling, are not in `ready` yet): they
                         # decode from the next. (Never with a prefill stream.)
-                        ready = self._decode_ready(self.worker.lookahead * 2) if self.worker.fuse_mixed else None
+                        ready = (self._decode_ready(self.worker.lookahead * 2)
+                                 if self.worker.fuse_mixed and not late else None)
                         fused = ready is not None and bool(ready) and self.worker.can_fuse(ready, reqs, chunks)
                         if fused:
                             assert ready is not None
@@ -178,20 +186,13 @@ class Scheduler:
                             self.num_fused += 1
                         else:
                             results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
+                            if late and nxt is not None:
+                                self.worker.late_joins += sum(not r.prefilling for r in reqs)
                         rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
                         self.num_mixed += 1
                         rep.forwards = list(self.worker.forwards)
-                # With `join_late` the requests this prefill started decode from the iteration after the
-                # next, which so need not wait for the prefill (`TargetWorker.prefill_stream`).
-                late = batch[0] if batch is not None and not fused and self.worker.join_late else []
-                ready = None if fused else self._decode_ready(self.worker.lookahead * 2, skip=late)
-                if ready:
-                    self.worker.late_joins += sum(not r.prefilling for r in late)
-                    plan = self.worker.plan(ready)
-                    if plan.catch_up:  # the draft layers' catch-up reads host lengths: after this finish
-                        self.worker.hold(plan)
-                    else:
-                        nxt = self._launched(self.worker.launch(ready, plan))
+                if not late and not fused:
+                    nxt = self._launch_ready()
             done, self.inflight = self.inflight, nxt
             results += list(zip(done.reqs, self.worker.finish(done)))
             self.mem.settle(done.seq)  # it has ended: what was freed while only it could touch it is free
@@ -300,11 +301,22 @@ class Scheduler:
         first = min(head.prefill_len - head.kv_len, self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens)
         return self.mem.can_ensure(head, head.kv_len + first)
 
-    def _decode_ready(self, la: int, skip: list[Req] | None = None) -> list[Req] | None:
-        """Every running request (but those in `skip`), with KV for `la` more positions, or None (without
-        preempting anyone)."""
-        out = {id(r) for r in skip or ()}
-        ready = [r for r in self.running if not r.prefilling and id(r) not in out]
+    def _launch_ready(self) -> Pending | None:
+        """Launch the next iteration over every decoding request (`_decode_ready`), or nothing: none
+        decodes, the pool is short (the step after preempts), or its draft layers must first catch up
+        (`worker.hold`: that reads the host lengths this step's finish sets)."""
+        ready = self._decode_ready(self.worker.lookahead * 2)
+        if not ready:
+            return None
+        plan = self.worker.plan(ready)
+        if plan.catch_up:
+            self.worker.hold(plan)
+            return None
+        return self._launched(self.worker.launch(ready, plan))
+
+    def _decode_ready(self, la: int) -> list[Req] | None:
+        """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""
+        ready = [r for r in self.running if not r.prefilling]
         mem = self.mem
         for r in ready:
             if not (mem.covers(r, r.kv_len + la) or mem.ensure(r, min(r.kv_len + la, mem.max_context), DECODE_GROW)):

@@ -140,10 +140,10 @@ class TargetWorker:
         # a prefill runs there beside the iteration in flight instead of behind it.
         self.side: torch.cuda.Stream | None = None
         self.side_prefills = 0  # prefills that ran on it
-        # Requests whose prefill a mixed step ran on the prefill stream decode from the iteration after the
-        # next one (the scheduler leaves them out of the next), which so need not wait for the prefill:
-        # the prefill runs beside two iterations instead of delaying one (`prefill_stream(late=True)`,
-        # `join_prefill`). The engine sets it with the prefill stream (`prefill_join_late`).
+        # A mixed step launches the next iteration first and then the prefill on the prefill stream, whose
+        # requests decode from the iteration after the next one: the next one waits neither for the
+        # prefill's host work nor for its forward (`prefill_stream(late=True)`, `join_prefill`). The
+        # engine sets it with the prefill stream (`prefill_join_late`).
         self.join_late = False
         self.late_joins = 0  # requests that decoded from the iteration after the next
         self._side_done: torch.cuda.Event | None = None  # recorded on the prefill stream after a late prefill
@@ -490,8 +490,8 @@ class TargetWorker:
         KV pages' map writes, its input copy, its graph and first tokens), beside the iteration in flight.
         After it (when a prefill was scheduled: a step without one queues nothing there) the main stream
         waits for it, so the next iteration may decode the new requests too; or, with `late` where
-        `join_late` is on, only at the next `join_prefill`, the scheduler leaving the new requests out of
-        the next iteration, which so runs beside the prefill as well. Two graphs at once need their own
+        `join_late` is on, only at the next `join_prefill` (the scheduler launched the next iteration
+        before this prefill, without its requests, and it runs beside the prefill as well). Two graphs at once need their own
         memory pools (the prefill graphs have one, `capture_graphs`), and a row or page a finished request
         gave back must not be reused while that iteration may still write it (`MemoryManager.hold_frees`).
         Without a prefill stream, nothing changes (and a step pays no more than entering a null context)."""

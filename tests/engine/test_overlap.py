@@ -338,12 +338,13 @@ def test_held_frees_wait_for_the_iterations_launched_before_them() -> None:
 
 @pytest.mark.parametrize("late", [True, False])
 def test_late_joins_leave_a_prefills_requests_out_of_the_next_iteration(late: bool) -> None:
-    """`TargetWorker.join_late` (on with the prefill stream): in a mixed step the iteration launched after
-    the prefill leaves out the requests whose prompt that prefill finished (they decode from the one after,
-    so on the GPU it need not wait for the prefill), counted in `late_joins`; with arrivals, aborts,
+    """`TargetWorker.join_late`: a mixed step launches the next iteration before its prefill, and that
+    iteration carries none of the requests whose prompt the prefill finishes (they decode from the one
+    after, so on the GPU neither the prefill's host work nor its device time delays it), counted in
+    `late_joins`; with arrivals, aborts,
     chunks and preemption the outputs equal an engine that frees at once and joins at once, no row or
-    page is reused under the iteration in flight, nothing is left held or lost. Off, such an iteration
-    does carry them (so the check can fail)."""
+    page is reused under the iteration in flight, nothing is left held or lost. Off, the prefill comes
+    first and such an iteration does carry them (so the check can fail)."""
     cfg = tiny_cfg()
     over = dict(max_total_tokens=260, graph_emulate=True, prefill_graph_max_tokens=32, chunked_prefill_size=16)
     ref = tiny_engine("none", cfg=cfg, **over)
@@ -372,12 +373,15 @@ def test_late_joins_leave_a_prefills_requests_out_of_the_next_iteration(late: bo
         p = [rng.randrange(1, 256) for _ in range(rng.randint(1, 30))]
         script.append((f"r{i}", p, greedy(rng.randint(1, 30)), rng.random() < 0.15))
     assert _scripted(ref, script, back=3) == _scripted(e, script, back=3)
-    # A prefill and the launch after it in one step (a mixed step): the requests both carry.
-    both = [p[2] & q[2] for p, q in itertools.pairwise(log) if p[0] == "prefill" and q[0] == "launch" and p[1] == q[1]]
-    assert len(both) >= 10 and e.scheduler.num_preemptions > 0
-    if late:
-        assert not any(both) and e.worker.late_joins >= 10
+    # A prefill and a launch in one step (a mixed step): the requests both carry; which came first.
+    steps = {s for _, s, _ in log}
+    mixed = [[x for x in log if x[1] == s] for s in sorted(steps)]
+    mixed = [m for m in mixed if {x[0] for x in m} == {"prefill", "launch"}]
+    both = [m[0][2] & m[1][2] for m in mixed]
+    assert len(mixed) >= 10 and all(len(m) == 2 for m in mixed) and e.scheduler.num_preemptions > 0
+    if late:  # the iteration first (it carries none of the prefill's requests), then the prefill
+        assert not any(both) and all(m[0][0] == "launch" for m in mixed) and e.worker.late_joins >= 10
     else:
-        assert any(both) and e.worker.late_joins == 0
+        assert any(both) and all(m[0][0] == "prefill" for m in mixed) and e.worker.late_joins == 0
     assert e.stats()["late_joins"] == e.worker.late_joins
     assert not bad and all_free(e) and not e.mem.held and e.scheduler.inflight is None
