@@ -59,7 +59,6 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "prefill_wait_steps": ("engine", "prefill_wait_steps"),
     "fuse_mixed_steps": ("engine", "fuse_mixed_steps"),
     "prefill_side_stream": ("engine", "prefill_side_stream"),
-    "prefill_join_late": ("engine", "prefill_join_late"),
     "threads": ("engine", "threads"),
     "seed": ("engine", "seed"),
     "enable_prefix_cache": ("engine", "enable_prefix_cache"),
@@ -111,9 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefill-side-stream", dest="prefill_side_stream", action="store_const", const=False,
                     default=None, help="target-only CUDA: run each prefill behind the decode iteration in flight "
                                        "(default: on a stream of its own beside it)")
-    ap.add_argument("--prefill-join-now", dest="prefill_join_late", action="store_const", const=False,
-                    default=None, help="with the prefill stream: the next decode iteration waits for the prefill "
-                                       "and decodes its requests too (default: they join the one after)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

@@ -175,13 +175,11 @@ class EngineConfig(BaseModel):
     # replays on one H100 took 1,213 us for a decode iteration of 32 and a 60-token prefill together
     # against 1,963 one after the other (results/gpu/stop53/prefill_overlap.log). Rows and pages a
     # finished request gives back then wait until the iterations that may still write them have ended.
+    # N+1 waits for the prefill and carries its requests: leaving them out of N+1 (which so need not
+    # wait, launched before the prefill or after it) cut a lone arrival's cost to 31 decoding requests
+    # by a quarter to a third in `scripts/engine_host_step.py`, but served and offline c32 came out no
+    # faster or 3 % slower on one H100 (results/gpu/stop54/).
     prefill_side_stream: bool = True
-    # ... and a step with an iteration in flight launches the next one before such a prefill, whose
-    # requests decode from the one after, so that the next one waits neither for the prefill's host work
-    # nor for its forward (a 60-token prefill graph takes the device longer than a decode iteration of 32:
-    # 1,057 against 911 us on one H100). Their second token comes one iteration later, their first as
-    # early as before.
-    prefill_join_late: bool = True
     # Launch decode step N+1 before finishing step N (GPU only; the CPU has nothing to overlap).
     overlap_schedule: bool = True
     # Run the graph runners' buffers, padding and metadata with eager forwards where CUDA graphs cannot

@@ -252,7 +252,6 @@ class Engine:
         self.worker.fuse_mixed = e.fuse_mixed_steps and self.worker.fuse_mixed
         if self._side_stream():
             self.worker.side = torch.cuda.Stream(self.device, priority=-1)  # the first token comes first
-            self.worker.join_late = e.prefill_join_late
             self.mem.hold_frees()
         self._seeds = itertools.count()
         self.model_name = cfg.model.name
@@ -531,8 +530,6 @@ class Engine:
                 "graph_first_tokens": self.worker.graph_first_tokens,
                 # prefills run on the prefill stream, beside the iteration in flight
                 "side_stream_prefills": self.worker.side_prefills,
-                # requests a prefill on that stream started that decoded from the iteration after the next
-                "late_joins": self.worker.late_joins,
                 "cpu_packed_linear": self.packed_linear,
                 # host seconds blocked on the device since start (on a CPU engine, 0)
                 "device_wait_s": round(device_wait.seconds, 6)}

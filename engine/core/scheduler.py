@@ -33,12 +33,8 @@ are; the arrivals decode from N+2. It saves the arrival's second forward, but it
 comes out of N+1 rather than before it, and the decoding rows leave their whole-iteration graph: served
 on one H100 it did not pay (see the engine config's comment). A target-only CUDA engine runs the
 prefill on a stream of its own instead (`TargetWorker.prefill_stream`, `prefill_side_stream`): the
-prefill's scheduling (its KV pages' map writes) and forward go there, beside N. With
-`prefill_join_late` (on by default) the mixed step launches N+1 first, over the requests decoding
-already, and then the prefill, whose requests decode from N+2, which the main stream queues only after
-the prefill (`TargetWorker.join_prefill`, first thing in the next step): neither the prefill's host work
-nor its device time delays an iteration. Off, the prefill comes first and N+1 waits for it and carries
-its requests. Since N may still write the row and the KV slot after the last token of a request
+prefill's scheduling (its KV pages' map writes) and forward go there, beside N, and N+1 waits for them
+on the main stream. Since N may still write the row and the KV slot after the last token of a request
 it finishes, what such a request gives back is held until N has ended (`MemoryManager.hold_frees`:
 `settle` after each finish, everything once nothing is in flight).
 With a constrained request running, a grammar-masked iteration N+1 launches its forward half before
@@ -141,7 +137,6 @@ class Scheduler:
         aborts = [r for r in list(self.waiting) + self.running if r.abort_requested]
         results: list[tuple[Req, StepResult]] = []
         rep = StepReport(step=self.num_steps)
-        self.worker.join_prefill()  # the last step's late prefill, before this one's main-stream work
         if self.inflight is not None:
             # Steady decoding: launch the next step first, then finish the one in flight.
             nxt = None
@@ -162,14 +157,8 @@ class Scheduler:
                 # iteration in flight, and the next iteration launches over every decoding request (the
                 # new ones too), so an arrival costs the running requests its prefill, not a drain.
                 # With a prefill stream (`TargetWorker.side`) the prefill, its KV pages' map writes
-                # included, runs beside the iteration in flight, and the next one waits for it; or, with
-                # `join_late`, the next one launches first, over the requests decoding already, and the
-                # ones this prefill starts decode from the one after (`TargetWorker.prefill_stream`): the
-                # prefill's host work and its device time then delay no iteration.
-                late = self.worker.join_late
-                if late:
-                    nxt = self._launch_ready()
-                with self.worker.prefill_stream(late=late):
+                # included, runs beside the iteration in flight, and the next one waits for it.
+                with self.worker.prefill_stream():
                     batch = self._schedule_prefill() if self._want_prefill() else None
                     fused = False
                     if batch is not None:
@@ -177,8 +166,7 @@ class Scheduler:
                         # With `fuse_mixed_steps`, the arrivals' prompts and the decoding rows' next tokens
                         # as one forward (the arrivals, still prefilling, are not in `ready` yet): they
                         # decode from the next. (Never with a prefill stream.)
-                        ready = (self._decode_ready(self.worker.lookahead * 2)
-                                 if self.worker.fuse_mixed and not late else None)
+                        ready = self._decode_ready(self.worker.lookahead * 2) if self.worker.fuse_mixed else None
                         fused = ready is not None and bool(ready) and self.worker.can_fuse(ready, reqs, chunks)
                         if fused:
                             assert ready is not None
@@ -186,13 +174,16 @@ class Scheduler:
                             self.num_fused += 1
                         else:
                             results = list(zip(reqs, self.worker.prefill(reqs, chunks)))
-                            if late and nxt is not None:
-                                self.worker.late_joins += sum(not r.prefilling for r in reqs)
                         rep.mode, rep.prefill_tokens = "MIXED", sum(chunks)
                         self.num_mixed += 1
                         rep.forwards = list(self.worker.forwards)
-                if not late and not fused:
-                    nxt = self._launch_ready()
+                ready = None if fused else self._decode_ready(self.worker.lookahead * 2)
+                if ready:
+                    plan = self.worker.plan(ready)
+                    if plan.catch_up:  # the draft layers' catch-up reads host lengths: after this finish
+                        self.worker.hold(plan)
+                    else:
+                        nxt = self._launched(self.worker.launch(ready, plan))
             done, self.inflight = self.inflight, nxt
             results += list(zip(done.reqs, self.worker.finish(done)))
             self.mem.settle(done.seq)  # it has ended: what was freed while only it could touch it is free
@@ -300,19 +291,6 @@ class Scheduler:
         head = self.waiting[0]
         first = min(head.prefill_len - head.kv_len, self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens)
         return self.mem.can_ensure(head, head.kv_len + first)
-
-    def _launch_ready(self) -> Pending | None:
-        """Launch the next iteration over every decoding request (`_decode_ready`), or nothing: none
-        decodes, the pool is short (the step after preempts), or its draft layers must first catch up
-        (`worker.hold`: that reads the host lengths this step's finish sets)."""
-        ready = self._decode_ready(self.worker.lookahead * 2)
-        if not ready:
-            return None
-        plan = self.worker.plan(ready)
-        if plan.catch_up:
-            self.worker.hold(plan)
-            return None
-        return self._launched(self.worker.launch(ready, plan))
 
     def _decode_ready(self, la: int) -> list[Req] | None:
         """Every running request, with KV for `la` more positions, or None (without preempting anyone)."""

@@ -140,14 +140,6 @@ class TargetWorker:
         # a prefill runs there beside the iteration in flight instead of behind it.
         self.side: torch.cuda.Stream | None = None
         self.side_prefills = 0  # prefills that ran on it
-        # A mixed step launches the next iteration first and then the prefill on the prefill stream, whose
-        # requests decode from the iteration after the next one: the next one waits neither for the
-        # prefill's host work nor for its forward (`prefill_stream(late=True)`, `join_prefill`). The
-        # engine sets it with the prefill stream (`prefill_join_late`).
-        self.join_late = False
-        self.late_joins = 0  # requests that decoded from the iteration after the next
-        self._side_done: torch.cuda.Event | None = None  # recorded on the prefill stream after a late prefill
-        self._unjoined = False  # ... and not yet waited for on the main stream
         self.prefills = 0  # prefill forwards of the target (`prefill_input`)
         self._ar = torch.arange(128, device=self.device)
 
@@ -485,43 +477,27 @@ class TargetWorker:
         for r in new:
             r.state_slot = r.req_pool_idx
 
-    def prefill_stream(self, late: bool = False) -> contextlib.AbstractContextManager[None]:
+    def prefill_stream(self) -> contextlib.AbstractContextManager[None]:
         """Where the scheduler schedules and runs a prefill: on the prefill stream while this lasts (its
-        KV pages' map writes, its input copy, its graph and first tokens), beside the iteration in flight.
-        After it (when a prefill was scheduled: a step without one queues nothing there) the main stream
-        waits for it, so the next iteration may decode the new requests too; or, with `late` where
-        `join_late` is on, only at the next `join_prefill` (the scheduler launched the next iteration
-        before this prefill, without its requests, and it runs beside the prefill as well). Two graphs at once need their own
-        memory pools (the prefill graphs have one, `capture_graphs`), and a row or page a finished request
-        gave back must not be reused while that iteration may still write it (`MemoryManager.hold_frees`).
-        Without a prefill stream, nothing changes (and a step pays no more than entering a null context)."""
-        return _NO_STREAM if self.side is None else self._on_side(late and self.join_late)
+        KV pages' map writes, its input copy, its graph and first tokens), after which the main stream
+        waits for it (when a prefill was scheduled: a step without one queues nothing there), so the next
+        iteration (which decodes the new requests too) comes after the prefill and the iteration in
+        flight runs beside it. Two graphs at once need their own memory pools (the
+        prefill graphs have one, `capture_graphs`), and a row or page a finished request gave back must
+        not be reused while that iteration may still write it (`MemoryManager.hold_frees`). Without a
+        prefill stream, nothing changes (and a step pays no more than entering a null context)."""
+        return _NO_STREAM if self.side is None else self._on_side()
 
     @contextlib.contextmanager
-    def _on_side(self, late: bool) -> Iterator[None]:
+    def _on_side(self) -> Iterator[None]:
         assert self.side is not None
         main = torch.cuda.current_stream(self.device)
         n = self.prefills
         with torch.cuda.stream(self.side):
             yield
         if self.prefills != n:  # (no prefill scheduled: nothing went to the stream, a decode step pays nothing)
+            main.wait_stream(self.side)
             self.side_prefills += self.prefills - n
-            if late:
-                if self._side_done is None:
-                    self._side_done = torch.cuda.Event()
-                self._side_done.record(self.side)
-                self._unjoined = True
-            else:
-                main.wait_stream(self.side)
-                self._unjoined = False
-
-    def join_prefill(self) -> None:
-        """Queue the main stream's wait for the last late prefill (`prefill_stream(late=True)`), before
-        anything there may read its requests' rows: the scheduler calls it first thing in every step."""
-        if self._unjoined:
-            assert self._side_done is not None
-            torch.cuda.current_stream(self.device).wait_event(self._side_done)
-            self._unjoined = False
 
     def prefill(self, reqs: list[Req], chunks: list[int], defer_fill: bool = False) -> list[StepResult]:
         # (`defer_fill` is the speculative worker's: its draft layers' pass may wait for the next call.)
@@ -909,7 +885,7 @@ class TargetWorker:
     def reset_counters(self, keep_policy_costs: bool = False) -> None:
         """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up.
         (`keep_policy_costs` is the speculative worker's: its policy keeps the timings.)"""
-        self.graph_first_tokens = self.side_prefills = self.prefills = self.late_joins = 0
+        self.graph_first_tokens = self.side_prefills = self.prefills = 0
         for r in self.runners:
             r.eager.clear()
             r.num_forwards = 0
