@@ -239,6 +239,7 @@ class Engine:
         self.worker = self._build_worker(spec_worker, spec_worker_kw or {})
         self.worker.constrain.bind(self.tokenizer, sorted(self.eos_ids))  # structured output (engine/constrain)
         self.packed_linear = self._packed_linear(available_memory())
+        self.worker.fuse_mixed = e.fuse_mixed_steps and self.worker.fuse_mixed  # (before its graphs are captured)
         self.graph_report = self.worker.capture_graphs(GraphSettings(
             cuda_graph=e.cuda_graph, emulate=e.graph_emulate, iteration=e.iteration_graph,
             max_bs=min(e.cuda_graph_max_bs or self.max_reqs, self.max_reqs), tp_size=self.tp.size,
@@ -249,7 +250,6 @@ class Engine:
                                    max_prefill_tokens=e.max_prefill_tokens, eos_ids=self.eos_ids,
                                    stop_cut=self._stop_cut, overlap=self._overlap(),
                                    prefill_wait=e.prefill_wait_steps)
-        self.worker.fuse_mixed = e.fuse_mixed_steps and self.worker.fuse_mixed
         if self._side_stream():
             self.worker.side = torch.cuda.Stream(self.device, priority=-1)  # the first token comes first
             self.mem.hold_frees()
@@ -528,6 +528,8 @@ class Engine:
                 "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
                 # first tokens sampled and committed inside a prefill graph (plain greedy prompts on one)
                 "graph_first_tokens": self.worker.graph_first_tokens,
+                # fused mixed steps staged whole into a prefill graph (plain greedy rows only)
+                "graph_fused_steps": self.worker.graph_fused_steps,
                 # prefills run on the prefill stream, beside the iteration in flight
                 "side_stream_prefills": self.worker.side_prefills,
                 "cpu_packed_linear": self.packed_linear,

@@ -72,8 +72,13 @@ class ExtendGraphRunner:
 
     def __init__(self, runner: ModelRunner, *, buckets: list[int], max_reqs: int, hidden_size: int,
                  dtype: torch.dtype, emulate: bool = False, pool: object | None = None, tp_size: int = 1,
-                 layout: Layout = "all_reduce", tail: Tail | None = None, tail_rows: int = 0):
+                 layout: Layout = "all_reduce", tail: Tail | None = None, tail_rows: int = 0,
+                 ids_from: torch.Tensor | None = None):
         self.runner = runner
+        # Token ids read on the device (the target's graphs under fused mixed steps): a staged id below 0
+        # is replaced in the graph, before the forward, by `ids_from` at its row's request slot (the
+        # token the iteration in flight commits for a decoding row: `SlotState.last_tok`).
+        self.ids_from = ids_from
         # The target's tail (`TargetWorker.graph_tail`): run in the graph after the forward, on (the bucket's
         # view, its output, `tail_rows` integer rows per request slot that `stage` filled) -> each slot's
         # greedy token. None for a draft runner.
@@ -294,6 +299,9 @@ class ExtendGraphRunner:
         own request-to-token map, the forward, then the tail where there is one."""
         f = self._fields[t]
         torch.index_select(self.r2t.view(-1), 0, f["row_req"] * self.r2t.shape[1] + f["positions"], out=self.loc[:t])
+        if self.ids_from is not None:
+            ids = f["input_ids"]
+            ids.copy_(torch.where(ids < 0, self.ids_from.index_select(0, f["row_req"]), ids))
         out = self.runner.forward_eager(sb, observe=False)
         if self.tail is not None:
             out.tokens = self.tail(sb, out, f["tail"].view(self.tail_rows, self.slots(t)))

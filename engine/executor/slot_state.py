@@ -260,14 +260,18 @@ class SlotState:
         if flags.penalties and self.counts is not None:
             self.counts.index_put_((rpi, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
 
-    def commit_first_where(self, rpi: torch.Tensor, tok: torch.Tensor, seq_lens: torch.Tensor, first: torch.Tensor,
+    def commit_first_where(self, rpi: torch.Tensor, tok: torch.Tensor, seq_lens: torch.Tensor, commit: torch.Tensor,
                            kv_set: torch.Tensor) -> None:
-        """A prefill graph's `commit_first` and `set_kv_len` over its request slots [slots]: the first
-        tokens of the slots `first` flags, the KV lengths (`seq_lens`) of those `kv_set` flags. Every slot
-        writes, the unflagged ones their own values back (the padding slots all name the pad row, which
-        so keeps its values). No penalties: the graph commits only plain rows."""
-        self.last_tok.index_copy_(0, rpi, torch.where(first, tok, self.last_tok[rpi]))
-        self.n_out.index_copy_(0, rpi, torch.where(first, 1, self.n_out[rpi]))
+        """A prefill graph's `commit_first` and `set_kv_len` over its request slots [slots]: `tok` committed
+        in the slots `commit` names, as a first token where it is 1 (the count set to 1) and as a decoding
+        row's next token where it is 2 (a fused mixed step's: the count advanced by one), and the KV
+        lengths (`seq_lens`) of the slots `kv_set` flags. Every slot writes, the unflagged ones their own
+        values back (the padding slots all name the pad row, which so keeps its values). No penalties:
+        the graph commits only plain rows."""
+        last = self.last_tok[rpi]
+        n = self.n_out[rpi]
+        self.last_tok.index_copy_(0, rpi, torch.where(commit != 0, tok, last))
+        self.n_out.index_copy_(0, rpi, torch.where(commit == 1, 1, torch.where(commit == 2, n + 1, n)))
         self.kv_len.index_copy_(0, rpi, torch.where(kv_set, seq_lens, self.kv_len[rpi]))
 
     # --- speculation ---------------------------------------------------------------------------

@@ -136,6 +136,7 @@ class TargetWorker:
         # commits its first tokens (else `finish_prefill` samples them).
         self._staged: tuple[ForwardBatch, bool] | None = None
         self.graph_first_tokens = 0  # first tokens a prefill graph sampled and committed (the rest: `finish_prefill`)
+        self.graph_fused_steps = 0  # fused mixed steps staged whole into a prefill graph (`launch_mixed`)
         # The prefill stream (`prefill_stream`; the engine sets it: target-only, CUDA, overlap, prefill graphs):
         # a prefill runs there beside the iteration in flight instead of behind it.
         self.side: torch.cuda.Stream | None = None
@@ -269,7 +270,9 @@ class TargetWorker:
                                   hidden_size=int(getattr(r.model, "hidden_in_size", 0)), dtype=s.dtype,
                                   emulate=not cuda, pool=pool, tp_size=r.tp_size, layout=r.layout,
                                   # the target's graph also admits, and takes the first tokens
-                                  tail=self.graph_tail if r is self.target else None, tail_rows=TAIL_ROWS)
+                                  tail=self.graph_tail if r is self.target else None, tail_rows=TAIL_ROWS,
+                                  # a fused mixed step's decoding rows read their ids on the device
+                                  ids_from=self.state.last_tok if r is self.target and self.fuse_mixed else None)
             why = self._try_capture(f"{r.name} prefill", g.capture, s)
             if why is not None:
                 r.no_extend_reason = why
@@ -569,13 +572,15 @@ class TargetWorker:
 
     def graph_tail(self, batch: ForwardBatch, out: ForwardOutput, tail: torch.Tensor) -> torch.Tensor:
         """The target prefill graph's tail (`ExtendGraphRunner.tail`) over its request slots, from the rows
-        `prefill_input` staged (`TAIL_ROWS`): the admitted requests' slot-state rows filled, then each
-        slot's greedy first token [slots], committed where row 0 says (as `finish_prefill` would: the
-        row's last token and count), and the KV lengths of the prompts that finish here (row 1) set."""
+        `prefill_input` (or a fused mixed step, `launch_mixed`) staged (`TAIL_ROWS`): the admitted
+        requests' slot-state rows filled, then each slot's greedy token [slots], committed where row 0
+        says (1: a first token, as `finish_prefill` would: the row's last token and count; 2: a decoding
+        row's next token), and the KV lengths of row 1's slots set (prompts that finish here, and a fused
+        step's decoding rows)."""
         rpi = batch.req_pool_indices
         self.state.admit_where(rpi, tail[2] != 0, tail[3:])
         tok = out.logits.argmax(-1)
-        self.state.commit_first_where(rpi, tok, batch.seq_lens, tail[0] != 0, tail[1] != 0)
+        self.state.commit_first_where(rpi, tok, batch.seq_lens, tail[0], tail[1] != 0)
         return tok
 
     # --- the fused mixed step (target-only) ---------------------------------------------------------
@@ -607,13 +612,31 @@ class TargetWorker:
         fused step's prefill rows: none past). The arrivals' host lengths advance now."""
         timer = Timer(self.device)
         timer.mark()
-        self.admit(reqs)
         ahead: dict[int, int] = {}
         if inflight is not None:
             adds = inflight.kv_add or [1] * len(inflight.reqs)
             ahead = {id(r): a for r, a, e in zip(inflight.reqs, adds, inflight.epoch) if r.epoch == e}
         n = len(decode)
         every = [*decode, *reqs]
+        staged = self._stage_mixed(decode, ahead, reqs, chunks)
+        if staged is not None:
+            # Staged whole into the prefill graph: the decoding rows' ids read there from the iteration in
+            # flight's commits, the arrivals admitted, every row's greedy token committed (a decoding row's
+            # as its next token, an arrival's as its first) and its KV length set by the graph's tail.
+            out = self.target.forward(staged)
+            if out.tokens is None:
+                raise AssertionError("a staged fused step ran without its prefill graph's tail")
+            self.last_batch = staged
+            self.forwards = [FwdInfo.of(self.target.name, staged, out.graph_bs, out.eager_reason)]
+            for r, c in zip(reqs, chunks):
+                r.kv_len += c
+            self.graph_fused_steps += 1
+            timer.mark()
+            p = self._send(every, 1, PLAIN, out.tokens.view(-1, 1), timer)
+            p.kv_add = [1] * n + [0] * len(reqs)
+            p.iteration_miss = "fused with a prefill"
+            return p
+        self.admit(reqs)
         ids = [0] * n
         for r, c in zip(reqs, chunks):
             ids += r.fill_ids[r.kv_len : r.kv_len + c]
@@ -646,6 +669,43 @@ class TargetWorker:
         p.kv_add = [1] * n + [0] * len(reqs)
         p.iteration_miss = "fused with a prefill"
         return p
+
+    def _stage_mixed(self, decode: list[Req], ahead: dict[int, int], reqs: list[Req],
+                     chunks: list[int]) -> ForwardBatch | None:
+        """A fused mixed step staged into the target's prefill graph (one host array, one copy; its tail
+        does the rest), where one holds it and every row is a plain greedy argmax without logprobs (the
+        decoding rows by their flags, the arrivals by their parameters); else None (`launch_mixed`
+        samples and commits on the host). The decoding rows' ids are staged as -1: the graph reads them
+        from the slot state (`ExtendGraphRunner.ids_from`)."""
+        g = self.target.extend_graphs
+        n = len(decode)
+        if (not isinstance(g, ExtendGraphRunner) or g.tail is None or g.ids_from is None
+                or g.stage_bucket(n + sum(chunks), n + len(reqs)) is None):
+            return None
+        flags = self.state.flags([r.req_pool_idx for r in decode], decode)  # type: ignore[misc]
+        if not flags.plain or flags.logprobs >= 0 or not all(
+                r.params.temperature == 0.0 and not r.params.has_penalties and r.params.min_new_tokens <= 0
+                and r.params.logprobs is None for r in reqs):
+            return None
+        new = [i for i, r in enumerate(reqs) if r.state_slot != r.req_pool_idx]
+        vals = self.state.admit([reqs[i] for i in new], device_copy=False)
+        for i in new:
+            reqs[i].state_slot = reqs[i].req_pool_idx
+        every = [*decode, *reqs]
+        tail = np.zeros((TAIL_ROWS, len(every)), dtype=np.int64)
+        tail[0, :n], tail[0, n:] = 2, 1  # a decoding row's next token, an arrival's first
+        tail[1] = 1  # every row's KV length: a decoding row's one past its prefix, an arrival's whole prompt
+        if new:
+            assert vals is not None
+            cols = [n + i for i in new]
+            tail[2, cols] = 1
+            tail[3:, cols] = vals
+        ids = [-1] * n
+        for r, c in zip(reqs, chunks):
+            ids += r.fill_ids[r.kv_len : r.kv_len + c]
+        return g.stage(ids, [r.req_pool_idx for r in every],  # type: ignore[misc]
+                       [r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
+                       [1] * n + list(chunks), tail, rids=tuple(r.rid for r in every))
 
     def settle_prefill(self) -> None:
         """Fill in the first tokens of the last prefill's results (waiting for their copy, if still on its
@@ -885,7 +945,7 @@ class TargetWorker:
     def reset_counters(self, keep_policy_costs: bool = False) -> None:
         """Forget what was counted so far (forwards, eager reasons, graph replays): the engine's warm-up.
         (`keep_policy_costs` is the speculative worker's: its policy keeps the timings.)"""
-        self.graph_first_tokens = self.side_prefills = self.prefills = 0
+        self.graph_first_tokens = self.side_prefills = self.prefills = self.graph_fused_steps = 0
         for r in self.runners:
             r.eager.clear()
             r.num_forwards = 0

@@ -319,21 +319,27 @@ def test_the_draft_fill_graph_equals_the_per_layer_fill_at_every_token_bucket() 
     assert check_fill_buckets(e) == 6
 
 
-def test_a_fused_mixed_step_equals_two_forwards_on_cuda() -> None:
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_fused_mixed_step_equals_two_forwards_on_cuda(sampled: bool) -> None:
     """On real CUDA graphs (overlap on), arrivals every other step while others decode: the fused mixed
     step (one EXTEND on a prefill graph for the arrivals and the decoding rows' next tokens, their ids
-    copied from the device) gives the same greedy and seeded output as the two-forward mixed step,
-    float32, and every pool comes back free."""
-    from tests.engine.test_overlap import _staggered
+    read from the device; staged whole into the graph where every row is plain greedy) gives the same
+    greedy (and with `sampled`, seeded) output as the two-forward mixed step, float32, the slot state's
+    output counts agree with the host's after every step, and every pool comes back free."""
+    from tests.engine.test_overlap import _counts_agree, _staggered
 
     two = _engine("none")
     one = _engine("none", fuse_mixed_steps=True)
     assert one.scheduler.overlap and two.scheduler.overlap
     prompts = [*PROMPTS, list(range(60, 110)), list(range(5, 40))]
     sps = [SamplingParams(temperature=0, max_new_tokens=12 + 3 * i) for i in range(len(prompts))]
-    sps[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_new_tokens=30, logprobs=1)
+    if sampled:
+        sps[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_new_tokens=30, logprobs=1)
     want, _ = _staggered(two, prompts, sps, every=2)
-    got, _ = _staggered(one, prompts, sps, every=2)
+    got, _ = _staggered(one, prompts, sps, every=2, after_step=lambda: _counts_agree(one))
     assert got == want
-    assert one.stats()["fused_mixed_steps"] >= len(prompts) // 2 and two.stats()["fused_mixed_steps"] == 0
+    st = one.stats()
+    assert st["fused_mixed_steps"] >= len(prompts) // 2 and two.stats()["fused_mixed_steps"] == 0
+    assert (st["graph_fused_steps"] < st["fused_mixed_steps"]) if sampled else \
+        (st["graph_fused_steps"] == st["fused_mixed_steps"]), st
     assert all_free(one) and all_free(two)

@@ -80,7 +80,7 @@ def test_overlap_with_graph_emulation_equals_eager() -> None:
     assert all_free(e)
 
 
-def _staggered(e, prompts, sps, every: int = 3) -> tuple[dict[str, list[int]], list[str]]:
+def _staggered(e, prompts, sps, every: int = 3, after_step=None) -> tuple[dict[str, list[int]], list[str]]:
     """Add one request every `every` steps while the others decode; tokens per request and step modes."""
     toks: dict[str, list[int]] = {}
     modes: list[str] = []
@@ -93,7 +93,20 @@ def _staggered(e, prompts, sps, every: int = 3) -> tuple[dict[str, list[int]], l
         for o in e.step():
             toks[o.rid] += o.token_ids
         modes.append(e.scheduler.last_mode)
+        if after_step is not None:
+            after_step()
     return toks, modes
+
+
+def _counts_agree(e) -> None:
+    """Every decoding request's output count in the slot state is the host's plus the token the
+    iteration in flight adds (its first token included, where that iteration takes it)."""
+    p = e.scheduler.inflight
+    ahead = {id(r) for r, ep in zip(p.reqs, p.epoch) if r.epoch == ep} if p is not None else set()
+    for r in e.scheduler.running:
+        if not r.prefilling and not r.finished:
+            got = int(e.worker.state.n_out[r.req_pool_idx])
+            assert got == len(r.output_ids) + (id(r) in ahead), (r.rid, got, len(r.output_ids))
 
 
 @pytest.mark.parametrize(("draft", "policy"), [("none", "always"), ("random:3", "always"), ("random:3", "auto"),
@@ -127,13 +140,15 @@ def test_mixed_steps_prefill_arrivals_behind_the_iteration_in_flight(draft: str,
     assert ov.scheduler.inflight is None and all_free(ov)
 
 
-def test_a_fused_mixed_step_equals_two_forwards() -> None:
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_fused_mixed_step_equals_two_forwards(sampled: bool) -> None:
     """Target-only with `fuse_mixed_steps`, a mixed step runs the arrivals' prompts and the decoding rows'
     next tokens as one EXTEND forward on a prefill graph: outputs equal the two-forward mixed step's
-    (greedy, seeded sampling with top-p and a repetition penalty, logprobs; stops while a step is in
-    flight), each fused step runs
-    that one forward over the decoding rows and the arrivals, a prompt that does not fit the largest
-    prefill graph keeps the two forwards, and nothing is left behind."""
+    (greedy, and with `sampled` seeded sampling with top-p and a repetition penalty, logprobs; stops
+    while a step is in flight), each fused step runs that one forward over the decoding rows and the
+    arrivals, a prompt that does not fit the largest prefill graph keeps the two forwards, and nothing
+    is left behind. Where every row is plain greedy the step is staged whole into the graph (its tail
+    commits every row: `graph_fused_steps`), else sampled on the host."""
     cfg = tiny_cfg()
     over = dict(graph_emulate=True, prefill_graph_max_tokens=64)
     two = tiny_engine("none", cfg=cfg, **over)  # the default: two forwards
@@ -142,18 +157,23 @@ def test_a_fused_mixed_step_equals_two_forwards() -> None:
         e.scheduler.overlap = True
     prompts = [*PROMPTS, list(range(60, 110)), [4] * 3, list(range(5, 40)), list(range(1, 90))]
     sps = [greedy(14 + 3 * i) for i in range(len(prompts))]
-    sps[1] = SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_new_tokens=25, logprobs=2)
-    sps[3] = SamplingParams(temperature=0.7, seed=11, max_new_tokens=30, repetition_penalty=1.3)
+    if sampled:
+        sps[1] = SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_new_tokens=25, logprobs=2)
+        sps[3] = SamplingParams(temperature=0.7, seed=11, max_new_tokens=30, repetition_penalty=1.3)
     sps[5] = greedy(20, stop_token_ids=[7, 9])
     seen: list[tuple[str, list]] = []
     one.observers.append(lambda outs, rep: seen.append((rep.mode, list(rep.forwards))))
-    want, _ = _staggered(two, prompts, sps, every=2)
-    got, _ = _staggered(one, prompts, sps, every=2)
+    want, _ = _staggered(two, prompts, sps, every=2, after_step=lambda: _counts_agree(two))
+    got, _ = _staggered(one, prompts, sps, every=2, after_step=lambda: _counts_agree(one))
     assert got == want
     assert two.stats()["fused_mixed_steps"] == 0 < two.stats()["mixed_steps"]
     st = one.stats()
     # (the 89-token prompt is past the largest prefill graph, 64 tokens: its mixed step is not fused)
     assert st["fused_mixed_steps"] >= len(prompts) - 3 and st["mixed_steps"] > st["fused_mixed_steps"]
+    if sampled:  # (while a sampled request decodes, its step is sampled on the host)
+        assert st["graph_fused_steps"] < st["fused_mixed_steps"]
+    else:
+        assert st["graph_fused_steps"] == st["fused_mixed_steps"]
     # A fused step's own forward (the last of its report, after the finished iteration's) is one EXTEND on
     # a prefill graph carrying more requests than it prefilled: the decoding rows, one token each.
     fused = [f[-1] for m, f in seen if m == "MIXED" and f[-1].mode == "EXTEND" and len(f[-1].rids) > 1]
