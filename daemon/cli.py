@@ -104,12 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-wait-steps", type=int, default=None,
                     help="steps an arrival may wait for others to share its prefill while requests decode "
                          "(default 0: off)")
-    ap.add_argument("--fuse-mixed-steps", dest="fuse_mixed_steps", action="store_const", const=True,
-                    default=None, help="target-only: run a mixed step's prefill and the decoding rows' next tokens "
-                                       "as one forward where it fits a prefill graph (default: two forwards)")
+    ap.add_argument("--no-fuse-mixed-steps", dest="fuse_mixed_steps", action="store_const", const=False,
+                    default=None, help="target-only: run a mixed step's prefill and the decoding rows' next tokens as "
+                                       "two forwards (default: one, where it fits a prefill graph)")
     ap.add_argument("--no-prefill-side-stream", dest="prefill_side_stream", action="store_const", const=False,
-                    default=None, help="target-only CUDA: run each prefill behind the decode iteration in flight "
-                                       "(default: on a stream of its own beside it)")
+                    default=None, help="target-only CUDA with --no-fuse-mixed-steps: run each prefill behind the decode "
+                                       "iteration in flight (default: on a stream of its own beside it)")
     ap.add_argument("--disable-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False,
                     default=None, help="recompute every prompt (no prefix KV reuse)")
     ap.add_argument("--threads", type=int, default=None)

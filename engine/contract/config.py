@@ -162,15 +162,17 @@ class EngineConfig(BaseModel):
     # halved the prefill steps yet lowered tok/s and raised TTFT at every concurrency
     # (results/gpu/prefill_wait/); see the README, "Mixed steps".
     prefill_wait_steps: int = Field(0, ge=0, le=64)
-    # A mixed step of a target-only engine may run the arrivals' prompts and the decoding requests' next
+    # A mixed step of a target-only engine runs the arrivals' prompts and the decoding requests' next
     # tokens as one forward (the decode rows as one-token extends) where that batch fits a prefill graph,
     # instead of a prefill forward beside the decode iteration (an arrival's own forward added 916 us of
-    # kernels to a 893 us decode step on one H100). Off: served there at c32 it made 0.97x the tok/s of
-    # two forwards and doubled the first token's engine time (results/gpu/stop52/fuse_ab.md): the
-    # arrival's first token comes out of the next iteration instead of before it, and the decoding rows
-    # leave their whole-iteration graph for a prefill graph plus eager sampling and commits.
-    fuse_mixed_steps: bool = False
-    # A target-only CUDA engine (overlap scheduling, prefill graphs, one rank, no fused steps) runs each
+    # kernels to a 893 us decode step on one H100). Where every row is plain greedy the whole step is
+    # staged into the prefill graph (the decoding rows' ids read there, every row committed by its tail,
+    # one copy back); served at c32 on one H100 it made 1.04x and 1.03x the tok/s of two forwards with
+    # the prefill on its own stream (two paired servers each, results/gpu/stop54/), its first token about
+    # 1 ms later (it comes out of the next iteration rather than before it). With sampling and commits
+    # on the host instead (27 torch operations) it had made 0.97x (results/gpu/stop52/fuse_ab.md).
+    fuse_mixed_steps: bool = True
+    # A target-only CUDA engine (overlap scheduling, prefill graphs, one rank, `fuse_mixed_steps` off) runs each
     # prefill on a stream of its own beside the decode iteration in flight instead of behind it: raw
     # replays on one H100 took 1,213 us for a decode iteration of 32 and a 60-token prefill together
     # against 1,963 one after the other (results/gpu/stop53/prefill_overlap.log). Rows and pages a

@@ -25,16 +25,16 @@ every decoding request, the ones whose prefill just completed included (their fi
 device already), and N is finished; only then does the host read the prefill's first tokens
 (`settle_prefill`). Nothing in the step waits for the device before N+1 is queued, so an arrival costs
 the decoding requests the prefill's own time, and the whole-iteration graph keeps running. With
-`fuse_mixed_steps` (target-only, off by default), where the batch fits a prefill graph the mixed step is
+`fuse_mixed_steps` (target-only, on by default), where the batch fits a prefill graph the mixed step is
 one forward instead (`TargetWorker.launch_mixed`): N+1 is an EXTEND over the decoding requests' next
 tokens (one-token extends, their ids taken on the device from N's commit, their KV lengths the host's
-plus N's one token) and the arrivals' prompts, sampled and committed as an iteration and first tokens
-are; the arrivals decode from N+2. It saves the arrival's second forward, but its first token then
-comes out of N+1 rather than before it, and the decoding rows leave their whole-iteration graph: served
-on one H100 it did not pay (see the engine config's comment). A target-only CUDA engine runs the
-prefill on a stream of its own instead (`TargetWorker.prefill_stream`, `prefill_side_stream`): the
-prefill's scheduling (its KV pages' map writes) and forward go there, beside N, and N+1 waits for them
-on the main stream. Since N may still write the row and the KV slot after the last token of a request
+plus N's one token) and the arrivals' prompts, committed as an iteration and first tokens are (where
+every row is plain greedy, all of it inside the prefill graph); the arrivals decode from N+2. It saves
+the arrival's second forward; its first token comes out of N+1 rather than before it. Without fused
+steps a target-only CUDA engine runs the prefill on a stream of its own instead
+(`TargetWorker.prefill_stream`, `prefill_side_stream`): the prefill's scheduling (its KV pages' map
+writes) and forward go there, beside N, and N+1 waits for them on the main stream. Since N may still
+write the row and the KV slot after the last token of a request
 it finishes, what such a request gives back is held until N has ended (`MemoryManager.hold_frees`:
 `settle` after each finish, everything once nothing is in flight).
 With a constrained request running, a grammar-masked iteration N+1 launches its forward half before

@@ -251,14 +251,14 @@ def test_a_prefill_graph_commits_plain_first_tokens_on_cuda(draft: str) -> None:
 def test_a_prefill_on_its_own_stream_equals_one_behind_the_iteration() -> None:
     """Target-only on real CUDA graphs (overlap on), float32: arrivals every other step while others
     decode, greedy and seeded, a stop string's worth of stop tokens, aborts, and a pool small enough to
-    preempt; the prefill stream (`prefill_side_stream`, the default) gives the output of the engine
-    that runs each prefill behind the iteration in flight, ran its prefills there, and every pool and
-    held free comes back."""
+    preempt; without fused mixed steps, the prefill stream (`prefill_side_stream`, on by default) gives
+    the output of the engine that runs each prefill behind the iteration in flight, ran its prefills
+    there, and every pool and held free comes back."""
     import random
 
     over = dict(max_total_tokens=500, chunked_prefill_size=48)
-    side = _engine("none", **over)
-    behind = _engine("none", prefill_side_stream=False, **over)
+    side = _engine("none", fuse_mixed_steps=False, **over)
+    behind = _engine("none", fuse_mixed_steps=False, prefill_side_stream=False, **over)
     assert side.worker.side is not None and behind.worker.side is None and side.mem.held is not None
     rng = random.Random(5)
     script = []
@@ -328,8 +328,8 @@ def test_a_fused_mixed_step_equals_two_forwards_on_cuda(sampled: bool) -> None:
     output counts agree with the host's after every step, and every pool comes back free."""
     from tests.engine.test_overlap import _counts_agree, _staggered
 
-    two = _engine("none")
-    one = _engine("none", fuse_mixed_steps=True)
+    two = _engine("none", fuse_mixed_steps=False)
+    one = _engine("none")  # the default
     assert one.scheduler.overlap and two.scheduler.overlap
     prompts = [*PROMPTS, list(range(60, 110)), list(range(5, 40))]
     sps = [SamplingParams(temperature=0, max_new_tokens=12 + 3 * i) for i in range(len(prompts))]

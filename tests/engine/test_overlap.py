@@ -116,7 +116,8 @@ def test_mixed_steps_prefill_arrivals_behind_the_iteration_in_flight(draft: str,
     prefill graph, plus the next decode iteration), the decoding rows keep their whole-iteration graph
     in those steps, every output equals the synchronous engine's, nothing is left behind."""
     cfg = tiny_cfg()
-    over = dict(spec_policy=policy, graph_emulate=True, prefill_graph_max_tokens=64, chunked_prefill_size=24)
+    over = dict(spec_policy=policy, graph_emulate=True, prefill_graph_max_tokens=64, chunked_prefill_size=24,
+                fuse_mixed_steps=False)
     sync = tiny_engine(draft, cfg=cfg, **over)
     ov = tiny_engine(draft, cfg=cfg, **over)
     ov.scheduler.overlap = True
@@ -131,7 +132,7 @@ def test_mixed_steps_prefill_arrivals_behind_the_iteration_in_flight(draft: str,
     # (`cycle` changes depth every iteration: its catch-ups drain the step in flight, so fewer mix.)
     assert len(mixed) >= (2 if policy == "cycle" else len(prompts) - 2), modes
     # The iteration's forwards come first and replayed its graph (graph_bs set, no eager reason), then the
-    # prefill's EXTEND on its prefill graph (two forwards: `fuse_mixed_steps` is off by default).
+    # prefill's EXTEND on its prefill graph (two forwards: `fuse_mixed_steps` is off here).
     assert any(f[0].graph_bs and f[-1].mode == "EXTEND" and f[-1].graph_bs for f in mixed)
     assert all(f[0].mode != "EXTEND" for f in mixed)
     st = ov.stats()  # what the daemon's /debug/engine and the serve benchmark's records carry
@@ -151,8 +152,8 @@ def test_a_fused_mixed_step_equals_two_forwards(sampled: bool) -> None:
     commits every row: `graph_fused_steps`), else sampled on the host."""
     cfg = tiny_cfg()
     over = dict(graph_emulate=True, prefill_graph_max_tokens=64)
-    two = tiny_engine("none", cfg=cfg, **over)  # the default: two forwards
-    one = tiny_engine("none", cfg=cfg, fuse_mixed_steps=True, **over)
+    two = tiny_engine("none", cfg=cfg, fuse_mixed_steps=False, **over)
+    one = tiny_engine("none", cfg=cfg, **over)  # the default: one forward
     for e in (two, one):
         e.scheduler.overlap = True
     prompts = [*PROMPTS, list(range(60, 110)), [4] * 3, list(range(5, 40)), list(range(1, 90))]
