@@ -703,9 +703,11 @@ class TargetWorker:
         ids = [-1] * n
         for r, c in zip(reqs, chunks):
             ids += r.fill_ids[r.kv_len : r.kv_len + c]
-        return g.stage(ids, [r.req_pool_idx for r in every],  # type: ignore[misc]
-                       [r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
-                       [1] * n + list(chunks), tail, rids=tuple(r.rid for r in every))
+        staged = g.stage(ids, [r.req_pool_idx for r in every],  # type: ignore[misc]
+                         [r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
+                         [1] * n + list(chunks), tail, rids=tuple(r.rid for r in every))
+        assert staged is not None  # (`stage_bucket` said it fits; the arrivals are admitted on the host now)
+        return staged
 
     def settle_prefill(self) -> None:
         """Fill in the first tokens of the last prefill's results (waiting for their copy, if still on its
