@@ -11,7 +11,7 @@ every draft-extend step, target and draft runners) equal TP=1's in both layouts,
 head, with replicated draft layers, with a reduced draft vocabulary and with a draft reading fused
 target features through two blocks per step; greedy speculative output equals
 TP=1 target-only output, eagerly and through emulated graphs (whole-iteration and per-forward), with
-overlap scheduling forced on too, and with the speculation policy switching depth every iteration
+overlap scheduling forced on too (target-only: fused mixed steps), and with the speculation policy switching depth every iteration
 (`cycle`) or choosing it (`auto`, overlap on: rank 0's timings published to every rank), every rank
 running the same depths and catch-ups, and every pool of every rank is free afterwards; the prefix cache's hits, and a reset of it, are the same on every rank; the seed
 regression; grammar-constrained output (the masked graph and its split halves) equals TP=1's: an
@@ -56,7 +56,8 @@ def greedy(n: int) -> SamplingParams:
 
 def engine(draft: str, kv: int = 2, vocab: int = 256, **over: Any) -> Engine:
     over.setdefault("spec_policy", "always")  # the full depth, unless a check is about the policy
-    e = start_engine(tiny_cfg(kv=kv, vocab=vocab), draft=draft, max_running_requests=12, **over)
+    over.setdefault("max_running_requests", 12)
+    e = start_engine(tiny_cfg(kv=kv, vocab=vocab), draft=draft, **over)
     chaos(e)
     return e
 
@@ -177,7 +178,10 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None
                                            ("random:2", False, "/tight_overlap", tight),
                                            ("random:2", True, "/overlap", {}), (fused, True, "", {}),
                                            ("random:3", False, "/cycle", {"spec_policy": "cycle"}),
-                                           ("random:2", True, "/auto_overlap", {"spec_policy": "auto"})):
+                                           ("random:2", True, "/auto_overlap", {"spec_policy": "auto"}),
+                                           # target-only, two request slots: later prompts arrive while
+                                           # others decode, in fused mixed steps staged into the graph
+                                           ("none", True, "/fused_overlap", {"max_running_requests": 2})):
             name = "random_fused" if draft == fused else draft
             if layout == "scattered" and (tag in ("/tight", "/tight_overlap", "/cycle", "/auto_overlap")
                                           or (tag == "/per_forward" and draft == "none")):
@@ -207,7 +211,8 @@ def check_exact(rank: int, res: dict[str, Any], outdir: str, fused: str) -> None
                 "preemptions": e.scheduler.num_preemptions,
                 # The speculation policy's choices (rank 0's timings reach every rank): the same everywhere.
                 "depths": list(e.worker.policy.stats.iterations_by_depth) if hasattr(e.worker, "policy") else [],
-                "catch_ups": e.worker.policy.stats.catch_ups if hasattr(e.worker, "policy") else 0}
+                "catch_ups": e.worker.policy.stats.catch_ups if hasattr(e.worker, "policy") else 0,
+                "graph_fused": e.stats()["graph_fused_steps"]}
     res["exact"] = out
 
 

@@ -97,7 +97,7 @@ def test_ranks_hold_identical_logits(ranks: list[dict[str, Any]]) -> None:
 
 def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = ranks[0]["exact"], ranks[1]["exact"]
-    assert len(r0) == 17  # 11 configurations under all_reduce, the 6 whose forwards differ under scattered too
+    assert len(r0) == 19  # 12 configurations under all_reduce, the 7 whose forwards differ under scattered too
     for key, r in r0.items():
         assert r["equal"], key
         assert r["free"] and r1[key]["free"], key
@@ -112,6 +112,9 @@ def test_greedy_speculation_equals_tp1_target_only_and_pools_free(ranks: list[di
             assert r["replays"] > 0 and r["iter_replays"] == 0, key
         if "tight" in key:
             assert r["preemptions"] > 0, key
+        assert r1[key]["graph_fused"] == r["graph_fused"], key
+        if key.endswith("fused_overlap"):  # arrivals while others decode: staged fused steps, on both ranks
+            assert r["graph_fused"] > 0, key
 
 
 def test_prefix_cache_hits_and_reset_alike_on_every_rank(ranks: list[dict[str, Any]]) -> None:
