@@ -433,40 +433,40 @@ class TargetWorker:
                 or any(r.params.prompt_logprobs is not None and r.prompt_logprobs is None for r in reqs)):
             self.admit(reqs)
             return self.prefill_batch(reqs, chunks)
-        new = [i for i, r in enumerate(reqs) if r.state_slot != r.req_pool_idx]
-        vals = self.state.admit([reqs[i] for i in new], device_copy=False)
-        for i in new:
-            reqs[i].state_slot = reqs[i].req_pool_idx
         done = [r.kv_len + c >= r.prefill_len for r, c in zip(reqs, chunks)]
         first = [d and not r.output_ids for r, d in zip(reqs, done)]
-        # The graph commits the first tokens where every one is a plain greedy argmax (what `flags` would
-        # say of these rows, from the parameters: no bans before a first token unless min_new_tokens, no
-        # logprobs, no grammar or logit bias); else the host's path samples them (`finish_prefill`).
-        if not all(r.constraint is None and r.params.temperature == 0.0 and not r.params.has_penalties
-                   and r.params.min_new_tokens <= 0 and r.params.logprobs is None
-                   for r, f in zip(reqs, first) if f):
+        # The graph commits the first tokens where every one is a plain greedy argmax; else the host's
+        # path samples them (`finish_prefill`).
+        if not all(_plain_first(r) for r, f in zip(reqs, first) if f):
             first = [False] * len(reqs)
-        tail = np.zeros((TAIL_ROWS, len(reqs)), dtype=np.int64)
-        tail[0], tail[1] = first, done
-        if new:
-            assert vals is not None
-            tail[2, new] = 1
-            tail[3:, new] = vals
-        ids: list[int] = []
-        for r, c in zip(reqs, chunks):
-            ids += r.fill_ids[r.kv_len : r.kv_len + c]
-        staged = g.stage(ids, [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], chunks, tail,  # type: ignore[misc]
-                         rids=tuple(r.rid for r in reqs))
+        tail = self._admit_tail(reqs, first, done)
+        staged = g.stage(_chunk_ids(reqs, chunks), [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs],  # type: ignore[misc]
+                         chunks, tail, rids=tuple(r.rid for r in reqs))
         assert staged is not None  # (`stage_bucket` said it fits)
         self._staged = (staged, any(first))
         return staged
 
+    def _admit_tail(self, cols: list[Req], commit: Sequence[int], kv_set: Sequence[int]) -> np.ndarray:
+        """A staged prefill graph's tail rows (`TAIL_ROWS` x `cols`): row 0 what its tail commits (0, 1: a
+        first token, 2: a decoding row's next), row 1 whose KV length it sets, and the requests that
+        start (or resume) here admitted, their host mirrors now and their device rows by the tail (row 2,
+        and their values in rows 3..)."""
+        new = [i for i, r in enumerate(cols) if r.state_slot != r.req_pool_idx]
+        vals = self.state.admit([cols[i] for i in new], device_copy=False)
+        for i in new:
+            cols[i].state_slot = cols[i].req_pool_idx
+        tail = np.zeros((TAIL_ROWS, len(cols)), dtype=np.int64)
+        tail[0], tail[1] = commit, kv_set
+        if new:
+            assert vals is not None
+            tail[2, new] = 1
+            tail[3:, new] = vals
+        return tail
+
     def prefill_batch(self, reqs: list[Req], chunks: list[int]) -> ForwardBatch:
         """The target's prefill batch built from host lists (an eager forward, or a prefill graph's
         static batch)."""
-        ids: list[int] = []
-        for r, c in zip(reqs, chunks):
-            ids += r.fill_ids[r.kv_len : r.kv_len + c]
+        ids = _chunk_ids(reqs, chunks)
         want_prompt_lp = any(r.params.prompt_logprobs is not None and r.prompt_logprobs is None for r in reqs)
         b = build_batch(ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
                         prefix_lens=[r.kv_len for r in reqs], extend_lens=chunks, req_to_token=self.r2t,
@@ -618,54 +618,45 @@ class TargetWorker:
             ahead = {id(r): a for r, a, e in zip(inflight.reqs, adds, inflight.epoch) if r.epoch == e}
         n = len(decode)
         every = [*decode, *reqs]
-        staged = self._stage_mixed(decode, ahead, reqs, chunks)
-        if staged is not None:
+        batch = self._stage_mixed(decode, ahead, reqs, chunks)
+        if batch is not None:
             # Staged whole into the prefill graph: the decoding rows' ids read there from the iteration in
             # flight's commits, the arrivals admitted, every row's greedy token committed (a decoding row's
             # as its next token, an arrival's as its first) and its KV length set by the graph's tail.
-            out = self.target.forward(staged)
+            out = self.target.forward(batch)
             if out.tokens is None:
                 raise AssertionError("a staged fused step ran without its prefill graph's tail")
-            self.last_batch = staged
-            self.forwards = [FwdInfo.of(self.target.name, staged, out.graph_bs, out.eager_reason)]
-            for r, c in zip(reqs, chunks):
-                r.kv_len += c
+            flags, packed = PLAIN, out.tokens.view(-1, 1)
             self.graph_fused_steps += 1
-            timer.mark()
-            p = self._send(every, 1, PLAIN, out.tokens.view(-1, 1), timer)
-            p.kv_add = [1] * n + [0] * len(reqs)
-            p.iteration_miss = "fused with a prefill"
-            return p
-        self.admit(reqs)
-        ids = [0] * n
-        for r, c in zip(reqs, chunks):
-            ids += r.fill_ids[r.kv_len : r.kv_len + c]
-        b = build_batch(ForwardMode.EXTEND, input_ids=ids,
-                        req_pool_indices=[r.req_pool_idx for r in every],  # type: ignore[misc]
-                        prefix_lens=[r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
-                        extend_lens=[1] * n + list(chunks), req_to_token=self.r2t, device=self.device,
-                        rids=tuple(r.rid for r in every))
-        rpi = b.req_pool_indices
-        # The decoding rows' inputs are the tokens the iteration in flight commits on the device. A new
-        # tensor object, so the prefill graph copies the ids from the device rather than the host's zeros.
-        ids_d = b.input_ids.view(-1)
-        torch.index_select(self.state.last_tok, 0, rpi[:n], out=ids_d[:n])
-        batch = self.target.bind(dataclasses.replace(b, input_ids=ids_d))
-        out = self.target.forward(batch)
+        else:
+            self.admit(reqs)
+            b = build_batch(ForwardMode.EXTEND, input_ids=_chunk_ids(reqs, chunks, [0] * n),
+                            req_pool_indices=[r.req_pool_idx for r in every],  # type: ignore[misc]
+                            prefix_lens=[r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
+                            extend_lens=[1] * n + list(chunks), req_to_token=self.r2t, device=self.device,
+                            rids=tuple(r.rid for r in every))
+            rpi = b.req_pool_indices
+            # The decoding rows' inputs are the tokens the iteration in flight commits on the device. A new
+            # tensor object, so the prefill graph copies the ids from the device rather than the host's zeros.
+            ids_d = b.input_ids.view(-1)
+            torch.index_select(self.state.last_tok, 0, rpi[:n], out=ids_d[:n])
+            batch = self.target.bind(dataclasses.replace(b, input_ids=ids_d))
+            out = self.target.forward(batch)
+            flags = self.state.flags([r.req_pool_idx for r in every], every)  # type: ignore[misc]
+            flags = self.constrain.begin(every, flags)
+            tok = self._sample(out.logits, rpi, flags)
+            lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
+            one = torch.ones_like(tok)
+            self.state.commit(rpi[:n], tok[:n].view(-1, 1), one[:n], flags)
+            self.state.set_kv_len(rpi[n:], b.seq_lens[n:])
+            self.state.commit_first(rpi[n:], tok[n:], flags)
+            packed = pack(tok.view(-1, 1), one, lp, 1)
         self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         for r, c in zip(reqs, chunks):
             r.kv_len += c
-        flags = self.state.flags([r.req_pool_idx for r in every], every)  # type: ignore[misc]
-        flags = self.constrain.begin(every, flags)
-        tok = self._sample(out.logits, rpi, flags)
-        lp = logprobs(out.logits, tok, max(flags.logprobs, 0)) if flags.logprobs >= 0 else None
-        one = torch.ones_like(tok)
-        self.state.commit(rpi[:n], tok[:n].view(-1, 1), one[:n], flags)
-        self.state.set_kv_len(rpi[n:], b.seq_lens[n:])
-        self.state.commit_first(rpi[n:], tok[n:], flags)
         timer.mark()
-        p = self._send(every, 1, flags, pack(tok.view(-1, 1), one, lp, 1), timer)
+        p = self._send(every, 1, flags, packed, timer)
         p.kv_add = [1] * n + [0] * len(reqs)
         p.iteration_miss = "fused with a prefill"
         return p
@@ -683,27 +674,13 @@ class TargetWorker:
                 or g.stage_bucket(n + sum(chunks), n + len(reqs)) is None):
             return None
         flags = self.state.flags([r.req_pool_idx for r in decode], decode)  # type: ignore[misc]
-        if not flags.plain or flags.logprobs >= 0 or not all(
-                r.params.temperature == 0.0 and not r.params.has_penalties and r.params.min_new_tokens <= 0
-                and r.params.logprobs is None for r in reqs):
+        if not flags.plain or flags.logprobs >= 0 or not all(_plain_first(r) for r in reqs):
             return None
-        new = [i for i, r in enumerate(reqs) if r.state_slot != r.req_pool_idx]
-        vals = self.state.admit([reqs[i] for i in new], device_copy=False)
-        for i in new:
-            reqs[i].state_slot = reqs[i].req_pool_idx
         every = [*decode, *reqs]
-        tail = np.zeros((TAIL_ROWS, len(every)), dtype=np.int64)
-        tail[0, :n], tail[0, n:] = 2, 1  # a decoding row's next token, an arrival's first
-        tail[1] = 1  # every row's KV length: a decoding row's one past its prefix, an arrival's whole prompt
-        if new:
-            assert vals is not None
-            cols = [n + i for i in new]
-            tail[2, cols] = 1
-            tail[3:, cols] = vals
-        ids = [-1] * n
-        for r, c in zip(reqs, chunks):
-            ids += r.fill_ids[r.kv_len : r.kv_len + c]
-        staged = g.stage(ids, [r.req_pool_idx for r in every],  # type: ignore[misc]
+        # A decoding row's next token and an arrival's first committed; every row's KV length set (a
+        # decoding row's one past its prefix, an arrival's whole prompt).
+        tail = self._admit_tail(every, [2] * n + [1] * len(reqs), [1] * len(every))
+        staged = g.stage(_chunk_ids(reqs, chunks, [-1] * n), [r.req_pool_idx for r in every],  # type: ignore[misc]
                          [r.kv_len + ahead.get(id(r), 0) for r in decode] + [r.kv_len for r in reqs],
                          [1] * n + list(chunks), tail, rids=tuple(r.rid for r in every))
         assert staged is not None  # (`stage_bucket` said it fits; the arrivals are admitted on the host now)
@@ -980,3 +957,20 @@ def _attach_cuts(res: list[StepResult], cuts: list[Any] | None) -> None:
         for x, c in zip(res, cuts):
             if x.tokens:
                 x.grammar_cut = c
+
+
+def _chunk_ids(reqs: Sequence[Req], chunks: Sequence[int], head: list[int] | None = None) -> list[int]:
+    """The token ids of each request's next chunk, in order (after `head`'s)."""
+    ids = head if head is not None else []
+    for r, c in zip(reqs, chunks):
+        ids += r.fill_ids[r.kv_len : r.kv_len + c]
+    return ids
+
+
+def _plain_first(r: Req) -> bool:
+    """Would `SlotState.flags` call this request's first token a plain greedy argmax? From its parameters:
+    no grammar, no bans before a first token unless min_new_tokens, no logprobs, no penalties."""
+    p = r.params
+    return (r.constraint is None and p.temperature == 0.0 and not p.has_penalties and p.min_new_tokens <= 0
+            and p.logprobs is None)
+
