@@ -370,7 +370,7 @@ def main() -> None:
     ap.add_argument("--events", action="store_true",
                     help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="an engine config field for the measured engine (repeatable), e.g. prefill_join_late=false")
+                    help="an engine config field for the measured engine (repeatable), e.g. fuse_mixed_steps=false")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     import torch
@@ -383,9 +383,11 @@ def main() -> None:
     over: dict[str, Any] = {"spec_policy": a.spec_policy} if a.draft != "none" else {}
     if a.emulate_graphs:
         over["graph_emulate"] = True
-    for kv in a.set:
-        k, _, v = kv.partition("=")
-        over[k] = json.loads(v.lower()) if v.lower() in ("true", "false") or v.lstrip("-").isdigit() else v
+    for kv in a.set:  # (strings: the engine validates overrides as a config file's [engine] table)
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            ap.error(f"--set takes FIELD=VALUE, got {kv!r}")
+        over[k] = v
     e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss),
                max_total_tokens=a.pool_tokens or max(bss) * max(400, 61 + arrival_tokens(a.arrivals) + 8) + 1024,
                **over)

@@ -260,8 +260,8 @@ class SlotState:
         if flags.penalties and self.counts is not None:
             self.counts.index_put_((rpi, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
 
-    def commit_first_where(self, rpi: torch.Tensor, tok: torch.Tensor, seq_lens: torch.Tensor, commit: torch.Tensor,
-                           kv_set: torch.Tensor) -> None:
+    def commit_where(self, rpi: torch.Tensor, tok: torch.Tensor, seq_lens: torch.Tensor, commit: torch.Tensor,
+                     kv_set: torch.Tensor) -> None:
         """A prefill graph's `commit_first` and `set_kv_len` over its request slots [slots]: `tok` committed
         in the slots `commit` names, as a first token where it is 1 (the count set to 1) and as a decoding
         row's next token where it is 2 (a fused mixed step's: the count advanced by one), and the KV

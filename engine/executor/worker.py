@@ -580,7 +580,7 @@ class TargetWorker:
         rpi = batch.req_pool_indices
         self.state.admit_where(rpi, tail[2] != 0, tail[3:])
         tok = out.logits.argmax(-1)
-        self.state.commit_first_where(rpi, tok, batch.seq_lens, tail[0], tail[1] != 0)
+        self.state.commit_where(rpi, tok, batch.seq_lens, tail[0], tail[1] != 0)
         return tok
 
     # --- the fused mixed step (target-only) ---------------------------------------------------------
