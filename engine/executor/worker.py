@@ -888,7 +888,7 @@ class TargetWorker:
             done = torch.cuda.Event()
             done.record()
         else:
-            host = packed
+            host = packed.clone()
         p = Pending(list(reqs), width, flags, host, done, timer, [r.epoch for r in reqs], self.forwards)
         p.cuts = self.constrain.take_cuts()  # an eager commit's, made while building this step
         return p
