@@ -78,6 +78,10 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     # The part of the steps the host spent blocked on the device (a GPU's result copies): near the step
     # share the device is the limit, near 0 the host is.
     ("engine_wait_share", ("server", "engine_loop", "device_wait_share"), "engine device wait share"),
+    # The engine's decode iterations a second over the run and the decoding rows each carried: beside
+    # the offline replay's, where a served engine's shortfall is (fewer rows: requests away from it).
+    ("rows_per_iter", ("server", "engine_iterations", "rows_per_iteration"), "engine rows/iteration"),
+    ("iters_per_s", ("server", "engine_iterations", "iterations_per_s"), "engine iterations/s"),
     # What the speculation ran: its mean draft depth per decode iteration (the policy's mix of S') and
     # the accept length of its verifies; "-" for a target-only server.
     ("mean_depth", ("server", "spec", "mean_depth"), "mean depth"),
@@ -93,6 +97,8 @@ OFFLINE_METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("offline_ttft_p90_ms", ("ttft_ms", "p90"), "offline TTFT p90 ms"),
     ("offline_ttft_steady_p90_ms", ("ttft_steady_ms", "p90"), "offline TTFT p90 after wave ms"),
     ("offline_itl_p99_ms", ("itl_ms", "p99"), "offline ITL p99 ms"),
+    ("offline_rows_per_iter", ("engine", "rows_per_iteration"), "offline rows/iteration"),
+    ("offline_iters_per_s", ("engine", "iterations_per_s"), "offline iterations/s"),
 ]
 SECRET_ENV = ("MLEAGLE_API_KEY",)  # the benchmark's own loopback servers run without a key
 STOP_KIDS_S = 15.0  # after the daemon exits: how long its engine (and ranks) may take to follow
@@ -426,7 +432,9 @@ def offline_session(a: argparse.Namespace, arm: Arm, spec: dict[str, Any], tmp: 
         for run in raw.pop("runs"):
             res = bench_serve.summarize([bench_serve.Result(**r) for r in run["requests"]], run["duration_s"],
                                         run["concurrency"])
-            rec["results"].append({"concurrency": run["concurrency"], "num_prompts": len(run["requests"]), **res})
+            rec["results"].append({"concurrency": run["concurrency"], "num_prompts": len(run["requests"]), **res,
+                                   "engine": bench_serve.iteration_summary(run.get("engine_before"), run.get("engine_after"),
+                                                                           run["duration_s"])})
             log(f"{tag}: concurrency {run['concurrency']}: {res['output_throughput']:.1f} tok/s")
         rec.update(raw)
     except Exception as e:

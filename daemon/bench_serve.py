@@ -261,6 +261,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "daemon_gc": gc_summary(dm0.get("gc"), dm.get("gc")),
                       "engine_loop": loop_summary((d0.get("stats") or {}).get("loop"), (d.get("stats") or {}).get("loop"),
                                                   window),
+                      "engine_iterations": iteration_summary(d0.get("stats"), d.get("stats"), window),
                       "spec": spec_summary(d0.get("stats"), d.get("stats"))}
     return {
         "command": "mleagle bench serve " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
@@ -318,6 +319,19 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
             out[k[:-2] + "_share"] = (v - before.get(k, 0.0)) / dur
     out["busy_share"] = sum(out.get(k + "_share", 0.0) for k in ("step", "send_outputs", "pump", "messages"))
     return out
+
+
+def iteration_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, dur: float) -> dict[str, Any] | None:
+    """The engine's decode (or verify) iterations over a run, from its stats before and after
+    (`Engine.stats`'s `iterations` and `iteration_rows`): how many a second, and the decoding rows each
+    carried on average (a fused step's arrivals not counted). Served beside the offline replay, fewer
+    rows say requests were away from the engine (between its last token and the client's next
+    request), fewer iterations a second that each took longer. None where the counters are missing."""
+    if not before or not after or dur <= 0 or before.get("iterations") is None or after.get("iterations") is None:
+        return None
+    it = after["iterations"] - before["iterations"]
+    rows = after["iteration_rows"] - before["iteration_rows"]
+    return {"iterations": it, "iterations_per_s": it / dur, "rows_per_iteration": rows / it if it else 0.0}
 
 
 def _minus(after: list[Any], before: list[Any]) -> list[Any]:
@@ -619,6 +633,10 @@ def table(res: dict[str, Any]) -> str:
             parts = ", ".join(f"{k} {100 * lp.get(k + '_share', 0.0):.0f} %" for k in ("step", "send_outputs", "pump", "messages"))
             parts += f"; of the steps, waiting for the device {100 * lp.get('device_wait_share', 0.0):.0f} %"
             lines.append(f"{'engine loop busy':<28}{100 * lp['busy_share']:.0f} % of the run ({parts}; {lp['steps']} steps)")
+        ei = srv.get("engine_iterations")
+        if ei and ei["iterations"]:
+            lines.append(f"{'engine iterations':<28}{ei['iterations_per_s']:.0f} a second, {ei['rows_per_iteration']:.2f} "
+                         f"decoding requests each")
         sp = srv.get("spec")
         if sp and sp["iterations"]:
             mix = " ".join(f"{d}:{100 * x:.0f}%" for d, x in enumerate(sp["depth_share"]) if x)

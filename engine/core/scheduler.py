@@ -97,6 +97,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_mixed = 0  # steps that prefilled beside an iteration in flight
         self.num_fused = 0  # ... of them, those whose prefill and decode rows ran as one forward
+        # Decode (or verify) iterations launched and the decoding rows they carried (a fused step's
+        # arrivals not counted): rows per iteration is the batch the device ran, what a served engine
+        # loses to requests on their way between the engine and the clients.
+        self.iterations = 0
+        self.iteration_rows = 0
         self.report = StepReport()  # the last step's
         self.pending: list[StepOutput] = []  # deltas produced outside the step's forward (errors)
         self.overlap = overlap
@@ -152,6 +157,7 @@ class Scheduler:
                         self.worker.hold(plan)
                     else:  # its forward half is on the device: a launch (`complete` makes it a Pending)
                         self.mem.launches += 1
+                        self._count_rows(ready)
             elif self.overlap and not aborts:
                 # A mixed step: arrivals (or the next chunk of a long prompt) prefill first, behind the
                 # iteration in flight, and the next iteration launches over every decoding request (the
@@ -240,10 +246,15 @@ class Scheduler:
         return outputs
 
     def _launched(self, p: Pending) -> Pending:
-        """Count an iteration just launched (`MemoryManager.settle`'s clock)."""
+        """Count an iteration just launched (`MemoryManager.settle`'s clock, and its decoding rows)."""
         self.mem.launches += 1
         p.seq = self.mem.launches
+        self._count_rows(p.reqs, p.kv_add)
         return p
+
+    def _count_rows(self, reqs: list[Req], kv_add: list[int] | None = None) -> None:
+        self.iterations += 1
+        self.iteration_rows += len(reqs) if kv_add is None else sum(1 for a in kv_add if a)
 
     @property
     def last_mode(self) -> str:

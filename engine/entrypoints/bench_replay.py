@@ -40,6 +40,7 @@ def closed_loop(engine: Any, prompts: Sequence[list[int]], params: SamplingParam
     last: list[float | None] = [None] * n
     live: dict[str, int] = {}
     nxt = 0
+    st0 = engine.stats()
     t0 = time.perf_counter()
     while nxt < n or live:
         while nxt < n and len(live) < conc:
@@ -76,11 +77,15 @@ def closed_loop(engine: Any, prompts: Sequence[list[int]], params: SamplingParam
                 r["error"] = out.error or ""
                 del live[out.rid]
     dur = time.perf_counter() - t0
+    st = engine.stats()
     # Overlap scheduling launches a step past the last finish; collect it outside the clock (as
     # `Engine.stream` does), so the next run starts on an idle engine.
     while engine.has_work():
         engine.step()
-    return {"concurrency": conc, "duration_s": dur, "requests": recs}
+    # (the iteration counters before and after, for `bench serve`'s `iteration_summary` of the run)
+    keep = ("iterations", "iteration_rows")
+    return {"concurrency": conc, "duration_s": dur, "requests": recs,
+            "engine_before": {k: st0.get(k) for k in keep}, "engine_after": {k: st.get(k) for k in keep}}
 
 
 def replay(spec: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mleagle.daemon.bench_matrix import METRICS, parse_arm, summary
+from mleagle.daemon.bench_matrix import METRICS, OFFLINE_METRICS, parse_arm, summary
 from tests.spec_helpers import TINY_TOK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,11 +65,14 @@ def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
         assert off["error"] is None and off["draft"] == rep["arms"][x["arm"]]["engine"]["draft"]
         (ores,) = off["results"]
         assert ores["completed"] == 2 and ores["output_throughput"] > 0
+        # One request at a time: every decode iteration, served or replayed, carried one row.
+        assert ores["engine"]["iterations"] > 0 and ores["engine"]["rows_per_iteration"] == 1.0
+        assert res["server"]["engine_iterations"]["rows_per_iteration"] == 1.0
     rows = {row["arm"]: row for row in rep["summary"]}
     assert set(rows) == {"target", "spec"}
     spec_only = {"mean_depth", "accept_len"}  # what the speculation ran: nothing for target-only
     for row in rows.values():
-        for k in [m for m, _, _ in METRICS] + ["vs_baseline", "offline_out_tok_s", "served_over_offline"]:
+        for k in [m for m, _, _ in METRICS + OFFLINE_METRICS] + ["vs_baseline", "offline_out_tok_s", "served_over_offline"]:
             if k in spec_only and row["arm"] == "target":
                 assert row[k] is None, k
                 continue

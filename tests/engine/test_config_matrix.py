@@ -4,8 +4,9 @@ steps), pages of 1, 2 and 4 tokens, chunked prompts, two forwards instead of a f
 pool small enough to preempt, target-only and with three draft layers: every request's tokens equal the
 reference's and its logprobs agree, and every pool comes back free. The workload is arrivals every
 other step that share prefixes (so the prefix cache serves some), with seeded sampling, penalties,
-min_new_tokens, logprobs and stop tokens among greedy rows; and a plain greedy one, where each mixed
-step is staged whole into its graph (one such step reading another's buffer was a bug)."""
+min_new_tokens, logprobs and stop tokens among greedy rows; a plain greedy one, where each mixed
+step is staged whole into its graph (one such step reading another's buffer was a bug); and one with
+structured-output requests (greedy and sampled, every grammar kind) among free ones."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from mleagle.engine.contract.sampling_params import SamplingParams
+from mleagle.engine.contract.sampling_params import SamplingParams, StructuredOutputs
 from mleagle.engine.core.engine import Engine
+from tests.engine.test_constrain_engine import CASES, constrained
 from tests.spec_helpers import all_free, greedy, tiny_cfg, tiny_engine
 
 GRAPHS = dict(graph_emulate=True, prefill_graph_max_tokens=64)
@@ -27,21 +29,30 @@ WAYS: dict[str, tuple[bool, dict[str, Any]]] = {
     "graphs-page4-chunked": (True, dict(GRAPHS, page_size=4, chunked_prefill_size=16)),
     "graphs-two-forwards-page2": (True, dict(GRAPHS, page_size=2, fuse_mixed_steps=False)),
     "sync-graphs-page4": (False, dict(GRAPHS, page_size=4)),
-    "graphs-preempting": (True, dict(GRAPHS, page_size=2, max_total_tokens=300)),
+    "graphs-preempting": (True, dict(GRAPHS, page_size=2, max_total_tokens=240)),
 }
 
 Script = list[tuple[str, list[int], SamplingParams]]
 
 
-def workload(seed: int, plain: bool) -> Script:
+def workload(seed: int, kind: str) -> Script:
     rng = random.Random(seed)
-    stems = [[rng.randrange(1, 256) for _ in range(rng.randint(8, 40))] for _ in range(4)]
+    # (below 255, the constrained vocabulary's stop token)
+    stems = [[rng.randrange(1, 250) for _ in range(rng.randint(8, 40))] for _ in range(4)]
+    grammars = [so for _, so in CASES if so]
     script: Script = []
     for i in range(24):
-        p = rng.choice(stems) + [rng.randrange(1, 256) for _ in range(rng.randint(1, 12))]
+        p = rng.choice(stems) + [rng.randrange(1, 250) for _ in range(rng.randint(1, 12))]
         sp = greedy(rng.randint(4, 24))
-        if plain:
+        if kind == "plain-greedy":
             pass
+        elif kind == "constrained":
+            if i % 3 == 1:
+                sp = SamplingParams(temperature=0, max_new_tokens=20,
+                                    structured_outputs=StructuredOutputs(**rng.choice(grammars)))
+            elif i % 5 == 2:
+                sp = SamplingParams(temperature=0.8, seed=i, max_new_tokens=16,
+                                    structured_outputs=StructuredOutputs(**rng.choice(grammars)))
         elif i % 6 == 1:
             sp = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_new_tokens=rng.randint(4, 20))
         elif i % 7 == 3:
@@ -75,20 +86,24 @@ def drive(e: Engine, script: Script) -> tuple[dict[str, list[int]], dict[str, li
     return toks, lps
 
 
-def engine(draft: str, overlap: bool, **over: Any) -> Engine:
+def engine(draft: str, overlap: bool, grammar: bool, **over: Any) -> Engine:
     e = tiny_engine(draft, cfg=tiny_cfg(), **over)
     e.scheduler.overlap = overlap
-    return e
+    return constrained(e) if grammar else e
+
+
+KINDS = ["mixed-params", "plain-greedy", "constrained"]
 
 
 @pytest.mark.parametrize("draft", ["none", "random:3"])
-@pytest.mark.parametrize("plain", [False, True], ids=["mixed-params", "plain-greedy"])
-def test_every_way_of_running_equals_the_reference(draft: str, plain: bool) -> None:
-    script = workload(1 + plain, plain)
-    want_toks, want_lps = drive(engine(draft, False, enable_prefix_cache=False), script)
-    assert plain or any(want_lps.values())
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_way_of_running_equals_the_reference(draft: str, kind: str) -> None:
+    script = workload(1 + KINDS.index(kind), kind)
+    grammar = kind == "constrained"
+    want_toks, want_lps = drive(engine(draft, False, grammar, enable_prefix_cache=False), script)
+    assert kind != "mixed-params" or any(want_lps.values())
     for name, (overlap, over) in WAYS.items():
-        e = engine(draft, overlap, **over)
+        e = engine(draft, overlap, grammar, **over)
         toks, lps = drive(e, script)
         assert toks == want_toks, (name, [r for r in want_toks if toks.get(r) != want_toks[r]][:5])
         for rid, want in want_lps.items():
@@ -102,5 +117,5 @@ def test_every_way_of_running_equals_the_reference(draft: str, plain: bool) -> N
         assert st["prefix_cache"]["hits"] > 0 or "chunked" in name, (name, st["prefix_cache"])
         if name == "graphs-preempting":
             assert e.scheduler.num_preemptions > 0, name
-        if draft == "none" and plain and over.get("fuse_mixed_steps", True) and overlap and over.get("graph_emulate"):
+        if draft == "none" and kind == "plain-greedy" and over.get("fuse_mixed_steps", True) and overlap and over.get("graph_emulate"):
             assert st["graph_fused_steps"] > 0, (name, st["graph_fused_steps"])

@@ -431,3 +431,23 @@ def test_fused_steps_over_cached_prefixes_equal_two_forwards_and_eager(page_size
     assert st["prefix_cache"]["hits"] > 0, st["prefix_cache"]
     for e in (eager, two, one):
         assert e.scheduler.inflight is None and all_free(e)
+
+
+def test_iteration_counters_count_the_decoding_rows() -> None:
+    """`iterations` / `iteration_rows` in the engine's stats (what `bench serve` and the offline replay
+    turn into rows per iteration): a synchronous static batch of 4 requests of 10 tokens runs 9 decode
+    iterations of 4 rows (the first token is the prefill's). With overlap and fused mixed steps, every
+    token after a request's first comes from an iteration row, and a request is in at most one
+    iteration past its last token (launched before that token came back); a fused step's arrivals,
+    whose first tokens it makes, are not rows."""
+    e = tiny_engine("none")
+    run(e, [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], greedy(10))
+    st = e.stats()
+    assert (st["iterations"], st["iteration_rows"]) == (9, 36)
+    one = tiny_engine("none", graph_emulate=True, prefill_graph_max_tokens=64)
+    one.scheduler.overlap = True
+    _staggered(one, PROMPTS, [greedy(12) for _ in PROMPTS], every=2)
+    st = one.stats()
+    assert st["fused_mixed_steps"] > 0
+    assert 11 * len(PROMPTS) <= st["iteration_rows"] <= 12 * len(PROMPTS), st["iteration_rows"]
+    assert st["iteration_rows"] < st["iterations"] * len(PROMPTS)
