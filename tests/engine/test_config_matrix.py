@@ -6,11 +6,14 @@ reference's and its logprobs agree, and every pool comes back free. The workload
 other step that share prefixes (so the prefix cache serves some), with seeded sampling, penalties,
 min_new_tokens, logprobs and stop tokens among greedy rows; a plain greedy one, where each mixed
 step is staged whole into its graph (one such step reading another's buffer was a bug); and one with
-structured-output requests (greedy and sampled, every grammar kind) among free ones."""
+structured-output requests (greedy and sampled, every grammar kind) among free ones. Each way also
+aborts six requests (queued, prefilling or decoding): their tokens stop at a prefix of the
+reference's, and no other request's change."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -29,7 +32,7 @@ WAYS: dict[str, tuple[bool, dict[str, Any]]] = {
     "graphs-page4-chunked": (True, dict(GRAPHS, page_size=4, chunked_prefill_size=16)),
     "graphs-two-forwards-page2": (True, dict(GRAPHS, page_size=2, fuse_mixed_steps=False)),
     "sync-graphs-page4": (False, dict(GRAPHS, page_size=4)),
-    "graphs-preempting": (True, dict(GRAPHS, page_size=2, max_total_tokens=240)),
+    "graphs-preempting": (True, dict(GRAPHS, page_size=2, max_total_tokens=200)),
 }
 
 Script = list[tuple[str, list[int], SamplingParams]]
@@ -69,8 +72,11 @@ def workload(seed: int, kind: str) -> Script:
     return script
 
 
-def drive(e: Engine, script: Script) -> tuple[dict[str, list[int]], dict[str, list[tuple[int, float]]]]:
-    """One arrival every other step; each request's tokens and (token, logprob) pairs."""
+def drive(e: Engine, script: Script, aborts: Sequence[tuple[int, str]] = ()
+          ) -> tuple[dict[str, list[int]], dict[str, list[tuple[int, float]]]]:
+    """One arrival every other step, and right after the n-th arrival the abort of each request paired
+    with n in `aborts` (one added a few arrivals before: queued, prefilling or decoding); each request's
+    tokens and (token, logprob) pairs."""
     toks: dict[str, list[int]] = {}
     lps: dict[str, list[tuple[int, float]]] = {}
     n = 0
@@ -80,6 +86,9 @@ def drive(e: Engine, script: Script) -> tuple[dict[str, list[int]], dict[str, li
             e.add_request(rid, p, sp)
             toks[rid], lps[rid] = [], []
             n += 1
+            for at, victim in aborts:
+                if at == n:
+                    e.abort(victim)
         for o in e.step():
             toks[o.rid] += o.token_ids
             lps[o.rid] += [(lp.token_id, lp.logprob) for lp in (getattr(o, "logprobs", None) or [])]
@@ -102,11 +111,22 @@ def test_every_way_of_running_equals_the_reference(draft: str, kind: str) -> Non
     grammar = kind == "constrained"
     want_toks, want_lps = drive(engine(draft, False, grammar, enable_prefix_cache=False), script)
     assert kind != "mixed-params" or any(want_lps.values())
+    # Every way also aborts six requests one to four arrivals after theirs: they stop where they were
+    # (a prefix of the reference's tokens), and the others do not notice.
+    rng = random.Random(7)
+    aborts = [(i + 1 + rng.randint(1, 4), f"r{i}") for i in rng.sample(range(18), 6)]
+    gone = {rid for _, rid in aborts}
     for name, (overlap, over) in WAYS.items():
         e = engine(draft, overlap, grammar, **over)
-        toks, lps = drive(e, script)
-        assert toks == want_toks, (name, [r for r in want_toks if toks.get(r) != want_toks[r]][:5])
+        toks, lps = drive(e, script, aborts)
+        for rid in gone:
+            got = toks.pop(rid)
+            assert got == want_toks[rid][: len(got)], (name, rid)
+        assert toks == {r: t for r, t in want_toks.items() if r not in gone}, \
+            (name, [r for r in toks if toks[r] != want_toks[r]][:5])
         for rid, want in want_lps.items():
+            if rid in gone:
+                continue
             got = lps[rid]
             assert [t for t, _ in got] == [t for t, _ in want], (name, rid)
             assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(got, want)), (name, rid)
