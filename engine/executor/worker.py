@@ -110,7 +110,6 @@ class TargetWorker:
         max_reqs = max_reqs or target.binding.req_to_token.max_reqs
         self.state = SlotState(max_reqs, self.vocab, steps, self.device, sorted(eos_ids))
         self.constrain = ConstrainRuntime(self.vocab, self.device, steps)  # structured output (engine/constrain)
-        self.last_batch: ForwardBatch | None = None
         self.inflight = 0  # iterations launched and not yet finished (0 or 1)
         self.forwards: list[FwdInfo] = []  # the last launch's forwards
         # Whole-iteration graphs (plain greedy batches), one set per iteration depth (a speculative
@@ -506,7 +505,6 @@ class TargetWorker:
         # (`defer_fill` is the speculative worker's: its draft layers' pass may wait for the next call.)
         batch = self.prefill_input(reqs, chunks)
         out = self.target.forward(batch)
-        self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         return self.finish_prefill(reqs, chunks, batch, out)
 
@@ -651,7 +649,6 @@ class TargetWorker:
             self.state.set_kv_len(rpi[n:], b.seq_lens[n:])
             self.state.commit_first(rpi[n:], tok[n:], flags)
             packed = pack(tok.view(-1, 1), one, lp, 1)
-        self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         for r, c in zip(reqs, chunks):
             r.kv_len += c
@@ -846,7 +843,6 @@ class TargetWorker:
             logit_rows=self._arange(bs), rids=host.rids))
         self.forwards = []
         out = self._forward(self.target, batch, eager)
-        self.last_batch = batch
         self._keep_hidden(batch, out)
         return batch, out
 

@@ -273,7 +273,6 @@ class SpecWorker(TargetWorker):
         timer.mark()
         batch = self.prefill_input(reqs, chunks)
         out = self.target.forward(batch)
-        self.last_batch = batch
         self.forwards = [FwdInfo.of(self.target.name, batch, out.graph_bs, out.eager_reason)]
         off = 0
         pooled = self.hpool is not None
@@ -599,7 +598,6 @@ class SpecWorker(TargetWorker):
         vb = self.target.bind(view)
         self.forwards = []
         out = self._forward(self.target, vb, eager)
-        self.last_batch = vb
         self._keep_hidden(vb, out)
         metas = [self.target.row_meta(vb)]
         st = self.state
@@ -647,7 +645,6 @@ class SpecWorker(TargetWorker):
         vb = self.target.bind(view)
         self.forwards = []
         out = self._forward(self.target, vb, True)
-        self.last_batch = vb
         self._keep_hidden(vb, out)
         n = vb.num_tokens
         self._mlogits[:n].copy_(out.logits)
