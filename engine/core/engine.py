@@ -525,7 +525,7 @@ class Engine:
                 "prefix_cache": self.prefix_cache_stats(),
                 "spec_policy": policy.snapshot() if policy is not None else None,
                 "mixed_steps": sch.num_mixed, "fused_mixed_steps": sch.num_fused, "held_prefill_steps": sch.num_held,
-                "iterations": sch.iterations, "iteration_rows": sch.iteration_rows,
+                "iterations": self.mem.launches, "iteration_rows": sch.iteration_rows,
                 "prefill_wait_steps": sch.prefill_wait, "graphs": self.graph_counts(),
                 # first tokens sampled and committed inside a prefill graph (plain greedy prompts on one)
                 "graph_first_tokens": self.worker.graph_first_tokens,

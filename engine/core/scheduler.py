@@ -97,10 +97,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_mixed = 0  # steps that prefilled beside an iteration in flight
         self.num_fused = 0  # ... of them, those whose prefill and decode rows ran as one forward
-        # Decode (or verify) iterations launched and the decoding rows they carried (a fused step's
-        # arrivals not counted): rows per iteration is the batch the device ran, what a served engine
-        # loses to requests on their way between the engine and the clients.
-        self.iterations = 0
+        # The decoding rows the iterations launched carried (a fused step's arrivals not counted; the
+        # iterations themselves are `mem.launches`): rows per iteration is the batch the device ran, what
+        # a served engine loses to requests on their way between the engine and the clients.
         self.iteration_rows = 0
         self.report = StepReport()  # the last step's
         self.pending: list[StepOutput] = []  # deltas produced outside the step's forward (errors)
@@ -157,7 +156,7 @@ class Scheduler:
                         self.worker.hold(plan)
                     else:  # its forward half is on the device: a launch (`complete` makes it a Pending)
                         self.mem.launches += 1
-                        self._count_rows(ready)
+                        self.iteration_rows += len(ready)
             elif self.overlap and not aborts:
                 # A mixed step: arrivals (or the next chunk of a long prompt) prefill first, behind the
                 # iteration in flight, and the next iteration launches over every decoding request (the
@@ -249,12 +248,8 @@ class Scheduler:
         """Count an iteration just launched (`MemoryManager.settle`'s clock, and its decoding rows)."""
         self.mem.launches += 1
         p.seq = self.mem.launches
-        self._count_rows(p.reqs, p.kv_add)
+        self.iteration_rows += len(p.reqs) if p.kv_add is None else sum(1 for a in p.kv_add if a)
         return p
-
-    def _count_rows(self, reqs: list[Req], kv_add: list[int] | None = None) -> None:
-        self.iterations += 1
-        self.iteration_rows += len(reqs) if kv_add is None else sum(1 for a in kv_add if a)
 
     @property
     def last_mode(self) -> str:
