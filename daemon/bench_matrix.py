@@ -82,6 +82,10 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     # the offline replay's, where a served engine's shortfall is (fewer rows: requests away from it).
     ("rows_per_iter", ("server", "engine_iterations", "rows_per_iteration"), "engine rows/iteration"),
     ("iters_per_s", ("server", "engine_iterations", "iterations_per_s"), "engine iterations/s"),
+    # On CUDA, the device's time on those iterations: its share of the run, and µs an iteration (against
+    # 1e6 / iterations a second, the rest is the device waiting for the host).
+    ("device_busy", ("server", "engine_iterations", "device_busy_share"), "engine device busy share"),
+    ("device_us_per_iter", ("server", "engine_iterations", "device_us_per_iteration"), "engine device us/iteration"),
     # What the speculation ran: its mean draft depth per decode iteration (the policy's mix of S') and
     # the accept length of its verifies; "-" for a target-only server.
     ("mean_depth", ("server", "spec", "mean_depth"), "mean depth"),
@@ -99,6 +103,8 @@ OFFLINE_METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("offline_itl_p99_ms", ("itl_ms", "p99"), "offline ITL p99 ms"),
     ("offline_rows_per_iter", ("engine", "rows_per_iteration"), "offline rows/iteration"),
     ("offline_iters_per_s", ("engine", "iterations_per_s"), "offline iterations/s"),
+    ("offline_device_busy", ("engine", "device_busy_share"), "offline device busy share"),
+    ("offline_device_us_per_iter", ("engine", "device_us_per_iteration"), "offline device us/iteration"),
 ]
 SECRET_ENV = ("MLEAGLE_API_KEY",)  # the benchmark's own loopback servers run without a key
 STOP_KIDS_S = 15.0  # after the daemon exits: how long its engine (and ranks) may take to follow

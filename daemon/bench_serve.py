@@ -326,12 +326,20 @@ def iteration_summary(before: dict[str, Any] | None, after: dict[str, Any] | Non
     (`Engine.stats`'s `iterations` and `iteration_rows`): how many a second, and the decoding rows each
     carried on average (a fused step's arrivals not counted). Served beside the offline replay, fewer
     rows say requests were away from the engine (between its last token and the client's next
-    request), fewer iterations a second that each took longer. None where the counters are missing."""
+    request), fewer iterations a second that each took longer. On CUDA also the device's time on them
+    (`device_busy_s`): its share of the run, and a timed iteration's mean in µs; beside the iterations'
+    wall (1 / iterations a second) the difference is the device waiting for the host. None where the
+    counters are missing."""
     if not before or not after or dur <= 0 or before.get("iterations") is None or after.get("iterations") is None:
         return None
     it = after["iterations"] - before["iterations"]
     rows = after["iteration_rows"] - before["iteration_rows"]
-    return {"iterations": it, "iterations_per_s": it / dur, "rows_per_iteration": rows / it if it else 0.0}
+    out = {"iterations": it, "iterations_per_s": it / dur, "rows_per_iteration": rows / it if it else 0.0}
+    timed = (after.get("device_busy_iterations") or 0) - (before.get("device_busy_iterations") or 0)
+    if timed > 0:
+        busy = after["device_busy_s"] - before["device_busy_s"]
+        out.update(device_busy_share=busy / dur, device_us_per_iteration=busy * 1e6 / timed)
+    return out
 
 
 def _minus(after: list[Any], before: list[Any]) -> list[Any]:
@@ -635,8 +643,10 @@ def table(res: dict[str, Any]) -> str:
             lines.append(f"{'engine loop busy':<28}{100 * lp['busy_share']:.0f} % of the run ({parts}; {lp['steps']} steps)")
         ei = srv.get("engine_iterations")
         if ei and ei["iterations"]:
+            dev = (f"; the device busy {100 * ei['device_busy_share']:.0f} % of the run, {ei['device_us_per_iteration']:.0f} us "
+                   f"an iteration" if "device_busy_share" in ei else "")
             lines.append(f"{'engine iterations':<28}{ei['iterations_per_s']:.0f} a second, {ei['rows_per_iteration']:.2f} "
-                         f"decoding requests each")
+                         f"decoding requests each{dev}")
         sp = srv.get("spec")
         if sp and sp["iterations"]:
             mix = " ".join(f"{d}:{100 * x:.0f}%" for d, x in enumerate(sp["depth_share"]) if x)

@@ -47,7 +47,7 @@ from mleagle.engine.core.scheduler import Scheduler, StepReport
 from mleagle.engine.distributed import LOCAL, TPGroup, current
 from mleagle.engine.errors import EngineInputError
 from mleagle.engine.executor.extend_graph import ExtendGraphRunner
-from mleagle.engine.executor.results import device_wait
+from mleagle.engine.executor.results import device_busy, device_wait
 from mleagle.engine.executor.runner import ModelRunner, build_runner, rank_heads
 from mleagle.engine.executor.worker import GraphSettings, TargetWorker
 from mleagle.engine.kernels import set_fused_layers
@@ -535,7 +535,10 @@ class Engine:
                 "side_stream_prefills": self.worker.side_prefills,
                 "cpu_packed_linear": self.packed_linear,
                 # host seconds blocked on the device since start (on a CPU engine, 0)
-                "device_wait_s": round(device_wait.seconds, 6)}
+                "device_wait_s": round(device_wait.seconds, 6),
+                # device seconds of the decode iterations since start, and how many were timed (CUDA
+                # only: on a CPU engine, 0): against a run's wall, the device's busy share
+                "device_busy_s": round(device_busy.seconds, 6), "device_busy_iterations": device_busy.iterations}
 
     def graph_counts(self) -> dict[str, Any]:
         """Per runner: graph replays (decode/verify/draft-extend shapes, and prefill by token bucket) and

@@ -116,6 +116,7 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
     gen_once(engine, batches[0], n)
     policy = getattr(engine.worker, "policy", None)
     before = list(policy.stats.iterations_by_depth) if policy is not None else []
+    s0 = engine.stats()
     wall = 0.0
     toks: list[list[int]] = []
     outs: list[Any] = []
@@ -138,6 +139,12 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
                        "draft_ms_per_iter": round(1000 * sum(s.draft_time_s for s in specs) / max(nv, 1) * bs, 3)}
     else:
         row["ms_per_step_wall"] = round(1000 * wall / (n * len(batches)), 3)
+    s1 = engine.stats()
+    timed = s1.get("device_busy_iterations", 0) - s0.get("device_busy_iterations", 0)
+    if timed > 0:  # the device's time on the decode iterations (CUDA), as `bench serve` reports it served
+        busy = s1["device_busy_s"] - s0["device_busy_s"]
+        row["device_busy_share"] = round(busy / wall, 4)
+        row["device_us_per_iteration"] = round(1e6 * busy / timed, 1)
     if policy is not None:  # what the speculation policy chose in the timed runs (iterations by depth)
         row["policy"] = {"mode": policy.mode, "iterations_by_depth": [
             x - y for x, y in zip(policy.stats.iterations_by_depth, before)],
@@ -416,8 +423,9 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"machine: {m.get('gpu', 'cpu')}, torch {m['torch']}, triton {m.get('triton', '-')}; model {res['model']} "
              f"{res['dtype']}; data {res['dataset']} first turns, chat template; greedy, ignore_eos, "
              f"{res['max_new_tokens']} new tokens; tok/s through Engine.generate (prefill included)", "",
-             "| config | bs | tok/s | vs target graphs | accept len | ms/iter (wall) | equal to target graphs |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "| config | bs | tok/s | vs target graphs | accept len | ms/iter (wall) | device busy | device us/iter "
+             "| equal to target graphs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     base = {r["bs"]: r["tok_s"] for r in res["rows"] if r["config"] == "target graphs"}
     for r in res["rows"]:
         sim = " (simulated)" if r.get("simulated") else ""
@@ -425,6 +433,7 @@ def table(res: dict[str, Any]) -> str:
         s = r.get("spec")
         lines.append(f"| {r['config']}{sim} | {r['bs']} | {r['tok_s']:.1f} | {rel} | {s['accept_len'] if s else '-'} | "
                      f"{s['ms_per_iteration_wall'] if s else r.get('ms_per_step_wall', '-')} | "
+                     f"{r.get('device_busy_share', '-')} | {r.get('device_us_per_iteration', '-')} | "
                      f"{r.get('equal_to_target_graphs', '-')} |")
     for k in ("profile_bs1_target", "profile_bs1_spec"):
         if k in res:

@@ -52,6 +52,29 @@ class DeviceWait:
 device_wait = DeviceWait()  # one engine per process: the process's count
 
 
+class DeviceBusy:
+    """Device seconds of the engine's decode iterations (fused mixed steps included; prefill-only
+    steps not), each from its timer's first mark to its last, read once the iteration's results are
+    back: CUDA only (on the CPU the marks are the host's clock and nothing is counted). Over a run's
+    wall time it says how much of it the device spent on iterations: where the device is the limit it
+    is near 1, where the host makes it wait between steps it is not. Each worker puts its first mark
+    where the iteration's device work starts (after the host staged it), so that host work before a
+    launch on an idle device is not counted as the device's."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.iterations = 0
+
+    def add(self, timer: Timer) -> None:
+        m = timer.marks
+        if timer.cuda and len(m) >= 2 and m[-1].query():  # a mark after the result's copy may still be on its way
+            self.seconds += m[0].elapsed_time(m[-1]) / 1e3
+            self.iterations += 1
+
+
+device_busy = DeviceBusy()
+
+
 class Timer:
     """Marks on the device's timeline (CUDA events) or the host clock (CPU); read after the sync."""
 

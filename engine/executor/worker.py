@@ -55,6 +55,7 @@ from mleagle.engine.executor.results import (
     StepPlan,
     StepResult,
     Timer,
+    device_busy,
     device_wait,
     pack,
     unpack,
@@ -609,7 +610,6 @@ class TargetWorker:
         is the iteration still on the device, whose rows' KV lengths there are one past the host's (a
         fused step's prefill rows: none past). The arrivals' host lengths advance now."""
         timer = Timer(self.device)
-        timer.mark()
         ahead: dict[int, int] = {}
         if inflight is not None:
             adds = inflight.kv_add or [1] * len(inflight.reqs)
@@ -621,6 +621,7 @@ class TargetWorker:
             # Staged whole into the prefill graph: the decoding rows' ids read there from the iteration in
             # flight's commits, the arrivals admitted, every row's greedy token committed (a decoding row's
             # as its next token, an arrival's as its first) and its KV length set by the graph's tail.
+            timer.mark()  # the device's part starts here: the staging before is the host's
             out = self.target.forward(batch)
             if out.tokens is None:
                 raise AssertionError("a staged fused step ran without its prefill graph's tail")
@@ -637,6 +638,7 @@ class TargetWorker:
             # The decoding rows' inputs are the tokens the iteration in flight commits on the device. A new
             # tensor object, so the prefill graph copies the ids from the device rather than the host's zeros.
             ids_d = b.input_ids.view(-1)
+            timer.mark()
             torch.index_select(self.state.last_tok, 0, rpi[:n], out=ids_d[:n])
             batch = self.target.bind(dataclasses.replace(b, input_ids=ids_d))
             out = self.target.forward(batch)
@@ -797,11 +799,11 @@ class TargetWorker:
         plan = plan if plan is not None else self.plan(reqs)
         bs = len(reqs)
         timer = Timer(self.device)
-        timer.mark()
         rpi = self.rpi_of(reqs)
         flags = self.state.flags([r.req_pool_idx for r in reqs], reqs)  # type: ignore[misc]
         flags = self.constrain.begin(reqs, flags)  # constrain: constrained batches are never `plain`
         why = self.iteration_miss(flags, bs)
+        timer.mark()  # after the host's part (`device_busy` counts from here)
         masked = why is None and flags.constrained
         if masked:  # its forward half, then the rest (the host fills the masks while the forward runs)
             _, pbs = self.masked_graphs[self.depth].forward.run(rpi, bs)
@@ -895,6 +897,7 @@ class TargetWorker:
             p.deferred()
         if p.done is not None:
             device_wait.wait(p.done)
+            device_busy.add(p.timer)
         self.inflight -= 1
         res = []
         for r, e, (toks, lps) in zip(p.reqs, p.epoch, unpack(p)):

@@ -71,9 +71,11 @@ def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
     rows = {row["arm"]: row for row in rep["summary"]}
     assert set(rows) == {"target", "spec"}
     spec_only = {"mean_depth", "accept_len"}  # what the speculation ran: nothing for target-only
+    # The device's time on the iterations: counted on CUDA only, so "-" on this CPU.
+    cuda_only = {"device_busy", "device_us_per_iter", "offline_device_busy", "offline_device_us_per_iter"}
     for row in rows.values():
         for k in [m for m, _, _ in METRICS + OFFLINE_METRICS] + ["vs_baseline", "offline_out_tok_s", "served_over_offline"]:
-            if k in spec_only and row["arm"] == "target":
+            if k in cuda_only or (k in spec_only and row["arm"] == "target"):
                 assert row[k] is None, k
                 continue
             assert row[k] is not None and row[k]["n"] == 1, (row["arm"], k)
@@ -86,7 +88,7 @@ def test_two_arms_with_offline_replay(tmp_path: Path) -> None:
     assert md.read_text().strip() in r.stdout
     body = [ln for ln in md.read_text().split("TTFT split")[0].splitlines() if re.match(r"\| 1 \| (target|spec) \|", ln)]
     empty = [[c.strip() for c in ln.split("|")].count("-") for ln in body]
-    assert len(body) == 2 and empty == [len(spec_only), 0], body
+    assert len(body) == 2 and empty == [len(spec_only) + len(cuda_only), len(cuda_only)], body
     assert "| vs target |" in md.read_text() and "| served/offline |" in md.read_text()
     # The server's TTFT split: every phase of both arms in the summary and in its own table.
     for row in rows.values():
@@ -234,6 +236,21 @@ def test_the_ttft_split_summary_names_what_the_slowest_tenth_spent() -> None:
     assert st is not None and st["requests"] == 3
     assert st["phases"]["queue"]["mean_ms"] == pytest.approx(50 / 3)
     assert phase_summary({"names": names, "seq": 20, "recent": ided}, {"id99"}) is None
+
+
+def test_the_iteration_summary_sets_the_devices_time_beside_the_wall() -> None:
+    """`iteration_summary`: iterations a second and rows each over the run; where the engine counted its
+    device time (CUDA), the device's busy share and µs per timed iteration; without it, neither."""
+    from mleagle.daemon.bench_serve import iteration_summary
+
+    before = {"iterations": 100, "iteration_rows": 3000, "device_busy_s": 0.5, "device_busy_iterations": 90}
+    after = {"iterations": 1100, "iteration_rows": 33000, "device_busy_s": 1.5, "device_busy_iterations": 1090}
+    s = iteration_summary(before, after, 2.0)
+    assert s == {"iterations": 1000, "iterations_per_s": 500.0, "rows_per_iteration": 30.0,
+                 "device_busy_share": 0.5, "device_us_per_iteration": pytest.approx(1000.0)}
+    cpu = {k: v for k, v in after.items() if k != "device_busy_s"} | {"device_busy_iterations": 90}
+    assert iteration_summary(before, cpu, 2.0) == {"iterations": 1000, "iterations_per_s": 500.0, "rows_per_iteration": 30.0}
+    assert iteration_summary(None, after, 2.0) is None
 
 
 def test_the_speculation_summary_is_the_runs_share_of_the_counters() -> None:

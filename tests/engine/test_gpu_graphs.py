@@ -12,6 +12,8 @@ sampled request gives the same tokens alone and in a batch, and every pool is fr
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -211,6 +213,29 @@ def test_the_host_wait_for_the_device_is_counted() -> None:
         torch.cuda.synchronize()  # everything done before each step: its waits find the copies there
         e.step()
     assert e.stats()["device_wait_s"] - w1 < 0.03
+
+
+def test_the_device_time_of_iterations_is_counted_without_the_work_queued_before_them() -> None:
+    """`device_busy_s` grows by each decode iteration's device time, read once its results are back:
+    less than the steps' wall, and not the tens of milliseconds of other work the stream held before an
+    iteration's launch (its first mark fires when the stream reaches the iteration)."""
+    e = _engine()
+    e.add_request("a", PROMPTS[0], greedy(24))
+    e.step()  # the prefill
+    torch.cuda.synchronize()
+    s0 = e.stats()
+    t0 = time.perf_counter()
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # tens of milliseconds queued ahead of the next iteration
+        x = x @ x / 64
+    while e.has_work():
+        e.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    s1 = e.stats()
+    busy, n = s1["device_busy_s"] - s0["device_busy_s"], s1["device_busy_iterations"] - s0["device_busy_iterations"]
+    assert n >= 20 and 0 < busy < wall, (n, busy, wall)
+    assert busy / n < 0.005, busy / n  # a tiny model's iteration, not the GEMMs' milliseconds
 
 
 def test_the_warm_up_times_auto_at_every_batch_size_and_output_stays_exact() -> None:
