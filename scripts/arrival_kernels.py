@@ -33,15 +33,22 @@ def phase(e: Any, steps: int, arrive: Any) -> dict[str, Any]:
 
     cuda = e.device.type == "cuda"
     act = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[act]) as p:
+
+    def run() -> float:
+        """`steps` steps from a synchronised device to one; their wall in µs a step."""
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(steps):
             if arrive is not None:
                 arrive()
             e.step()
         if cuda:
             torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e6 / steps
+
+    with profile(activities=[act]) as p:
+        run()
     evs = [ev for ev in p.key_averages() if (ev.self_device_time_total if cuda else ev.self_cpu_time_total) > 0]
 
     def own(ev: Any) -> float:
@@ -65,17 +72,7 @@ def phase(e: Any, steps: int, arrive: Any) -> dict[str, Any]:
             else:
                 short += gap
         end = ev.time_range.end if end is None else max(end, ev.time_range.end)
-    # The same steps unprofiled, timed on the host's clock: what a step costs the loop in all.
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        if arrive is not None:
-            arrive()
-        e.step()
-    if cuda:
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e6 / steps
+    wall = run()  # the same steps unprofiled: what a step costs the loop in all
     return {"us_per_step": total / steps, "span_us_per_step": span, "wall_us_per_step": wall,
             "short_gaps_us_per_step": short / steps, "long_gaps_us_per_step": long / steps,
             "kernels": [{"name": ev.key, "us_per_step": own(ev) / steps, "calls_per_step": ev.count / steps} for ev in rows]}
