@@ -7,7 +7,8 @@
 #
 #   1. tests: OUT/gpu_tests.log: the GPU tests of graphs, kernels, the engine loop and the policy, and
 #      the graph runners', slot state's, binding's and mixed steps' tests on this device (real CUDA
-#      graphs);
+#      graphs); they need the `test` extras' pytest-asyncio and xgrammar installed there (without them
+#      the channel and grammar-masked graph tests fail at import, not on a finding);
 #   2. static: OUT/bench_gpu.{json,log}: `Engine.generate`'s static batch of 32 on this machine
 #      (`bench gpu --configs graphs --batch-sizes 32`), the baseline every served c32 figure is read
 #      against (hosts differ: rerun it on each machine);
