@@ -161,8 +161,6 @@ class EngineLoop:
             spent = {**self.spent, "telemetry": self.telemetry.spent_s if self.telemetry is not None else 0.0}
             # `device_wait_s` is inside `step_s`: the part of the steps spent blocked on the device
             spent["device_wait"] = stats.get("device_wait_s") or 0.0
-            # not the loop's: the device's seconds on the decode iterations (CUDA), for a busy share beside it
-            spent["device_busy"] = stats.get("device_busy_s") or 0.0
             stats["loop"] = {"steps": self.steps, "spins": self.spins, **{f"{k}_s": round(v, 4) for k, v in spent.items()},
                              "events_full": self.telemetry.full if self.telemetry is not None else None,
                              "steps_sampled_out": self.telemetry.sampled_out if self.telemetry is not None else 0}
