@@ -1,12 +1,12 @@
 """What an engine step costs the host beside the model: `Engine.generate` on the CPU with a model small
 enough that its forward is not everything. From the repository root:
 `python scripts/engine_host_step.py [--config tiny-dummy] [--batch-sizes 32,64] [--repeats 5] [--set FIELD=VALUE]
-[--output F.json]`.
+[--emulate-graphs] [--overlap] [--output F.json]`.
 
 Each repeat is one `Engine.generate` over a static batch of random prompts (30-90 tokens) whose
 `max_new_tokens` are drawn from 64-256, so requests finish on different steps as served answers do.
-Every decode step is split into the model runner's forward (`ModelRunner.forward`, timed by wrapping
-it) and the rest: scheduling, KV page bookkeeping, sampling-row flags, the results' unpacking, the
+Every decode step is split into the model's forwards (a runner's forward, replayed or eager, and a
+whole-iteration replay, timed by wrapping them: `time_forwards`) and the rest: scheduling, KV page bookkeeping, sampling-row flags, the results' unpacking, the
 per-request deltas. On a GPU the forward is a graph replay and this rest is most of what a served step
 costs the host (the engine loop there is busy 97-99 % at 32-64 requests). Beside it, the step's deltas
 are put into the engine's per-step message (`Outputs.of` and `encode`, what the serving loop sends),
@@ -242,13 +242,41 @@ def bookkeeping(e: Any, bs: int, n: int = 2000) -> dict[str, float]:
 ARRIVAL_REPS = 3  # `arrivals`' timed alternations (a phase without arrivals, then one with)
 
 
+def time_forwards(acc: list[float]) -> None:
+    """Add to `acc[0]` the seconds of every model forward: a runner's graph replay or eager forward, and
+    a whole-iteration replay (emulated on a CPU, all of it is what a GPU runs as one graph), the
+    outermost only where one runs inside another."""
+    from mleagle.engine.executor.iteration_graph import IterationGraph
+    from mleagle.engine.executor.runner import ModelRunner
+
+    depth = [0]
+
+    def timed(f: Any) -> Any:
+        def g(self: Any, *args: Any, **kw: Any) -> Any:
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return f(self, *args, **kw)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    acc[0] += time.perf_counter() - t
+        return g
+
+    for cls, name in ((ModelRunner, "forward"), (ModelRunner, "forward_eager"), (IterationGraph, "run")):
+        setattr(cls, name, timed(getattr(cls, name)))
+
+
+ARRIVAL_KEYS = ("iteration_us", "arrival_us", "iteration_host_us", "arrival_host_us")
+
+
 def arrival_tokens(n: int, every: int = 4) -> int:
     """New tokens a running request of `arrivals` may take: its warm-up phase and `ARRIVAL_REPS` pairs
     of phases, each `every * n` iterations, and a margin (an iteration in flight is one more)."""
     return (1 + 2 * ARRIVAL_REPS) * every * n + 16
 
 
-def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, float]:
+def arrivals(e: Any, bs: int, n: int, seed: int, acc: list[float], every: int = 4) -> dict[str, float]:
     """What one arrival costs a running batch: `bs - 1` requests decode while, in alternating phases of
     `every * n` decode iterations each, either nothing arrives or a 60-token request (ending at its
     first token, so the batch keeps its size) arrives before every `every`-th iteration. The difference
@@ -257,7 +285,10 @@ def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, fl
     flight; on the CPU it is a prefill step of its own that the decoding requests wait behind. Phases
     count iterations, not steps, so both make the same progress. Each arrival of a served closed loop
     costs every running request this (c32 takes ~90 arrivals a second on an H200). Medians over
-    `ARRIVAL_REPS` alternations, microseconds."""
+    `ARRIVAL_REPS` alternations, microseconds; `arrival_host_us` the same difference with the model
+    runners' forwards (`acc`) left out: on a CPU engine scheduled as a GPU one (`--overlap
+    --emulate-graphs`), what an arrival costs the host alone, the part a GPU cannot hide when the host
+    is behind."""
     from mleagle.engine.contract.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -272,9 +303,11 @@ def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, fl
         e.step()
     k = 0
 
-    def phase(arrive: bool) -> float:
+    def phase(arrive: bool) -> tuple[float, float]:
+        """The phase's wall and its host part (the wall less the forwards), seconds."""
         nonlocal k
         done, due = 0, 0
+        acc[0] = 0.0
         t0 = time.perf_counter()
         while done < iters:
             if arrive and done >= due:
@@ -282,9 +315,11 @@ def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, fl
                 k, due = k + 1, due + every
             e.step()
             done += e.last_report.mode in ("DECODE", "MIXED")
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        return wall, wall - acc[0]
 
     phase(True)  # every shape met once
+    fused0 = e.stats()["fused_mixed_steps"]
     plain, mixed = [], []
     for _ in range(ARRIVAL_REPS):
         plain.append(phase(False))
@@ -295,9 +330,12 @@ def arrivals(e: Any, bs: int, n: int, seed: int, every: int = 4) -> dict[str, fl
         e.abort(r.rid)
     while e.has_work():
         e.step()
-    p, m = statistics.median(plain), statistics.median(mixed)
+    p, m = statistics.median(w for w, _ in plain), statistics.median(w for w, _ in mixed)
+    ph, mh = statistics.median(h for _, h in plain), statistics.median(h for _, h in mixed)
     return {"rows": bs - 1, "every": every, "iteration_us": p / iters * 1e6, "arrival_us": (m - p) / n * 1e6,
-            "arrivals": k}
+            "iteration_host_us": ph / iters * 1e6, "arrival_host_us": (mh - ph) / n * 1e6, "arrivals": k,
+            # the timed arrivals that rode in a fused mixed step (overlap scheduling, target-only)
+            "fused_steps": e.stats()["fused_mixed_steps"] - fused0}
 
 
 def prefill_one(e: Any, n: int, acc: list[float], cache: str = "empty", seed: int = 7) -> dict[str, Any]:
@@ -367,6 +405,10 @@ def main() -> None:
     ap.add_argument("--emulate-graphs", action="store_true",
                     help="on the CPU, run every forward through the graph runners' buffers as a GPU would (`graph_emulate`): "
                          "the op count then includes what filling them costs")
+    ap.add_argument("--overlap", action="store_true",
+                    help="on the CPU, schedule as a CUDA engine does (overlap scheduling: mixed steps, and with "
+                         "--emulate-graphs the fused step staged into its graph), so that the host's part of a GPU "
+                         "engine's steps is measured here")
     ap.add_argument("--events", action="store_true",
                     help="attach the state events as the engine process does (sampled, no subscriber) and time them apart")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -376,7 +418,6 @@ def main() -> None:
     import torch
 
     from mleagle.engine.core.engine import Engine
-    from mleagle.engine.executor import runner as R
 
     torch.set_num_threads(a.threads)
     bss = [int(x) for x in a.batch_sizes.split(",")]
@@ -391,17 +432,10 @@ def main() -> None:
     e = Engine(a.config, device=a.device, draft=a.draft, max_running_requests=max(bss),
                max_total_tokens=a.pool_tokens or max(bss) * max(400, 61 + arrival_tokens(a.arrivals) + 8) + 1024,
                **over)
+    if a.overlap:
+        e.scheduler.overlap = True
     acc = [0.0]
-    forward = R.ModelRunner.forward
-
-    def timed_forward(self: Any, *args: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return forward(self, *args, **kw)
-        finally:
-            acc[0] += time.perf_counter() - t
-
-    R.ModelRunner.forward = timed_forward  # type: ignore[method-assign]
+    time_forwards(acc)
     pump = None
     if a.events:
         import tempfile
@@ -428,7 +462,7 @@ def main() -> None:
     ops = count_ops(e)
     bb = max(bss)
     books = [bookkeeping(e, bb) for _ in range(a.repeats)]
-    arr = [arrivals(e, bb, a.arrivals, seed=r) for r in range(a.repeats)] if a.arrivals else []
+    arr = [arrivals(e, bb, a.arrivals, r, acc) for r in range(a.repeats)] if a.arrivals else []
     book = {k: statistics.median(b[k] for b in books) for k in books[0]}
     head = f"{'batch':>5} {'rows/step':>9} {'host us/step':>22} {'host us/row':>18} {'forward us/step':>22} {'message us/step':>18}"
     if pump is not None:
@@ -454,11 +488,13 @@ def main() -> None:
     print(f"per-request host functions of a steady decode step at {bb} rows, hot loops (us a call, median of the repeats): "
           + ", ".join(f"{k} {v:.1f}" for k, v in book.items()))
     if arr:
-        am = {k: statistics.median(r[k] for r in arr) for k in ("iteration_us", "arrival_us")}
+        am = {k: statistics.median(r[k] for r in arr) for k in ARRIVAL_KEYS}
         each = ", ".join(f"{r['arrival_us']:.0f}" for r in arr)
         print(f"one 60-token arrival into {bb - 1} decoding requests, one before every {arr[0]['every']}th iteration (its first token "
               f"ends it): {am['arrival_us']:.0f} us more than the batch alone "
-              f"({each} over the repeats), whose decode iteration takes {am['iteration_us']:.0f} us")
+              f"({each} over the repeats), whose decode iteration takes {am['iteration_us']:.0f} us; "
+              f"the host's part (the forwards left out): {am['arrival_host_us']:.0f} us more, of an iteration's "
+              f"{am['iteration_host_us']:.0f} us")
     if a.output:
         import mleagle
 
@@ -467,9 +503,9 @@ def main() -> None:
         out = {"command": "python scripts/engine_host_step.py " + " ".join(sys.argv[1:]), "commit": rev,
                "python": platform.python_version(), "torch": torch.__version__, "threads": a.threads,
                "config": a.config, "device": a.device, "draft": a.draft, "spec_policy": a.spec_policy if a.draft != "none" else None,
-               "events": a.events, "emulate_graphs": a.emulate_graphs, "set": a.set, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops},
+               "events": a.events, "emulate_graphs": a.emulate_graphs, "overlap": a.overlap, "set": a.set, "cache": a.cache, "pool_tokens": e.pool_usage()[0]["kv_total"], "rows": rows, "prefill_one": {"runs": pre, **prefill, "ops": ops},
                "bookkeeping_us": {"rows": bb, "runs": books, "median": book},
-               "arrival_into_batch": {"runs": arr, **({k: statistics.median(r[k] for r in arr) for k in ("iteration_us", "arrival_us")} if arr else {})}}
+               "arrival_into_batch": {"runs": arr, **({k: statistics.median(r[k] for r in arr) for k in ARRIVAL_KEYS} if arr else {})}}
         Path(a.output).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.output}")
 

@@ -53,9 +53,28 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     arr = res["arrival_into_batch"]
     assert len(arr["runs"]) == 2 and all(a["rows"] == 3 and a["arrivals"] == 4 * 5 for a in arr["runs"])
     assert arr["iteration_us"] > 0 and math.isfinite(arr["arrival_us"])
+    assert 0 < arr["iteration_host_us"] < arr["iteration_us"] and math.isfinite(arr["arrival_host_us"])
+    assert all(a["fused_steps"] == 0 for a in arr["runs"])  # a CPU engine: each arrival a prefill step of its own
     assert "one 60-token arrival into 3 decoding requests" in r.stdout
     assert "its parts (us" in r.stdout and "its torch operations" in r.stdout
     assert "host us/step" in r.stdout and "prefill of one 60-token arrival" in r.stdout and "every arrival evicts" in r.stdout
+
+
+def test_scheduled_as_a_gpu_engine_each_arrival_rides_a_fused_step(tmp_path: Path) -> None:
+    """`--overlap --emulate-graphs`: the CPU engine scheduled as a CUDA one (overlap, the fused mixed step
+    staged into its emulated graph), so every timed arrival into the running batch rode in a fused step,
+    and the host's part of an iteration is what is left once the emulated replays are taken out."""
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_host_step.py"), "--batch-sizes", "4",
+                        "--repeats", "1", "--prefills", "2", "--arrivals", "5", "--overlap", "--emulate-graphs",
+                        "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["overlap"] is True and res["emulate_graphs"] is True
+    (run,) = res["arrival_into_batch"]["runs"]
+    assert run["arrivals"] == 20 and run["fused_steps"] == 3 * 5  # the three timed arrival phases' arrivals
+    assert 0 < run["iteration_host_us"] < run["iteration_us"]
+    assert "the host's part (the forwards left out)" in r.stdout
 
 
 def test_host_op_cost_times_each_operation_idle_and_busy() -> None:
