@@ -9,9 +9,10 @@ token) added before each. It prints, per phase, the device time a step and the k
 time a step, calls a step), and the difference a step: what one arrival's prefill adds to the device's
 work, whatever the host does meanwhile. Beside the kernels' own time it prints the device's span a
 step, its idle time between kernels (gaps under 10 µs: a graph's launches; longer: the device waiting
-for the host) and the same steps' wall time unprofiled. On the CPU it records CPU operators instead (the plumbing, not
-a figure). Stop 52's H100 run: 893 µs of kernels a decode step of 31 requests, 1,809 with an arrival a
-step (`results/gpu/stop52/kernels_per_arrival.txt`).
+for the host) and the same steps' wall time unprofiled. On the CPU it records CPU operators instead
+(the plumbing, not a figure). Stop 52's H100 run: 893 µs of kernels a decode step of 31 requests,
+1,809 with an arrival a step (`results/gpu/stop52/kernels_per_arrival.txt`); stop 56's, with the
+fused mixed step: 885 and 1,048 (`results/gpu/stop56/arrival_kernels.txt`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ enough that its forward is not everything. From the repository root:
 Each repeat is one `Engine.generate` over a static batch of random prompts (30-90 tokens) whose
 `max_new_tokens` are drawn from 64-256, so requests finish on different steps as served answers do.
 Every decode step is split into the model's forwards (a runner's forward, replayed or eager, and a
-whole-iteration replay, timed by wrapping them: `time_forwards`) and the rest: scheduling, KV page bookkeeping, sampling-row flags, the results' unpacking, the
-per-request deltas. On a GPU the forward is a graph replay and this rest is most of what a served step
+whole-iteration replay, timed by wrapping them: `time_forwards`) and the rest: scheduling, KV page
+bookkeeping, sampling-row flags, the results' unpacking, the per-request deltas. On a GPU the forward is a graph replay and this rest is most of what a served step
 costs the host (the engine loop there is busy 97-99 % at 32-64 requests). Beside it, the step's deltas
 are put into the engine's per-step message (`Outputs.of` and `encode`, what the serving loop sends),
 timed apart, and with `--events` the state events the engine process attaches (its telemetry hooks
