@@ -82,8 +82,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     rest = statistics.median(times[1:])
-    res = {"serve": serve, "healthy_s": round(healthy_s, 2), "ttft_ms": [round(1e3 * t, 1) for t in times],
-           "median_rest_ms": round(1e3 * rest, 1), "first_over_median": round(times[0] / rest, 2)}
+    res = {"serve": serve, "healthy_s": round(healthy_s, 2), "ttft_ms": [round(1e3 * t, 2) for t in times],
+           "median_rest_ms": round(1e3 * rest, 2), "first_over_median": round(times[0] / rest, 2)}
     print(json.dumps(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res) + "\n")
