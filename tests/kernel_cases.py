@@ -98,7 +98,7 @@ def _fill_prefix(pairs: Any, rows: list[int], prefix: list[int], dtype: torch.dt
 
 def run_attention(backend: str, mode: str, rows: list[int], prefix: list[int], extend: list[int], *,
                   dtype: torch.dtype, device: torch.device, shape: Shape | None = None, splits: int | None = None,
-                  graph: bool = False, pad_to: int = 0, seed: int = 0) -> float:
+                  graph: bool = False, pad_to: int = 0, seed: int = 0, tile: Any = None) -> float:
     """One forward of `mode` through the reference and through `backend`; the largest error over the
     outputs and over both whole pools (a write to a wrong slot, or a missing one, shows there).
 
@@ -128,6 +128,8 @@ def run_attention(backend: str, mode: str, rows: list[int], prefix: list[int], e
             x = torch.cat([qkv, pad])
         if i == 1 and splits is not None:
             be.num_sms, be.max_kv_splits = 10**6, splits
+        if i == 1 and tile is not None:  # the decode kernel's launch shape (Triton backend)
+            be.tile = tile
         if i == 1 and graph:
             be.init_graph(max(len(rr), 1), width)
         b = build_batch(fm, input_ids=torch.zeros(len(x), dtype=torch.int64), req_pool_indices=rr, prefix_lens=pp,
@@ -243,10 +245,22 @@ def case_extend_d128(dtype: torch.dtype, device: torch.device, backend: str = "t
                          shape=Shape(hq=8, hk=2, d=128))
 
 
-def case_decode(dtype: torch.dtype, device: torch.device, backend: str = "triton", splits: int = 1) -> float:
+def case_decode(dtype: torch.dtype, device: torch.device, backend: str = "triton", splits: int = 1,
+                tile: Any = None) -> float:
     """DECODE: four requests of lengths 1..130 (ragged), GQA 3."""
     return run_attention(backend, "DECODE", [4, 2, 7, 1], [0, 16, 63, 129], [1, 1, 1, 1], dtype=dtype, device=device,
-                         splits=splits)
+                         splits=splits, tile=tile)
+
+
+def case_decode_tiles(dtype: torch.dtype, device: torch.device) -> float:
+    """DECODE and TARGET_VERIFY with other launch shapes than the default: keys in blocks of 16 and of
+    128 (longer than some requests, shorter than others), one and three pipeline stages, split and not."""
+    from mleagle.engine.kernels.attention import DecodeTile
+
+    err = case_decode(dtype, device, tile=DecodeTile(128, 8, 3))
+    err = max(err, case_decode(dtype, device, splits=2, tile=DecodeTile(16, 2, 1)))
+    return max(err, run_attention("triton", "TARGET_VERIFY", [5, 3, 6], [0, 20, 150], [4, 4, 4], dtype=dtype,
+                                  device=device, splits=2, tile=DecodeTile(128, 4, 1)))
 
 
 def case_decode_d128(dtype: torch.dtype, device: torch.device, backend: str = "triton", splits: int = 4) -> float:
@@ -444,6 +458,7 @@ CASES: dict[str, Callable[..., float]] = {
     "extend_d128": case_extend_d128,
     "decode": case_decode,
     "decode_split4": lambda dt, dev: case_decode(dt, dev, splits=4),
+    "decode_tiles": case_decode_tiles,
     "decode_d128": case_decode_d128,
     "verify": case_verify,
     "verify_split3": lambda dt, dev: case_verify(dt, dev, splits=3),

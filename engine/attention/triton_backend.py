@@ -17,7 +17,13 @@ import torch
 
 from mleagle.engine.attention.base import AttentionBackend
 from mleagle.engine.executor.forward_batch import ForwardBatch
-from mleagle.engine.kernels.attention import decode_attention, extend_attention, num_kv_splits, rope_store
+from mleagle.engine.kernels.attention import (
+    decode_attention,
+    decode_tile,
+    extend_attention,
+    num_kv_splits,
+    rope_store,
+)
 from mleagle.engine.layers.rope import RotaryEmbedding
 from mleagle.engine.memory.kv_pool import KVPool
 from mleagle.engine.memory.req_to_token import ReqToTokenPool
@@ -50,13 +56,15 @@ class TritonBackend(AttentionBackend):
         self.device = kv_pool.k[0].device
         self.num_sms = _num_sms(self.device)
         self.num_splits = 1
+        self.tile = decode_tile(kv_pool.k[0].shape[2])  # the decode kernel's launch shape, fixed at start
         self._ext: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def init_graph(self, max_bs: int, max_width: int) -> None:
         """Nothing to allocate: the kernels read the batch's own (fixed) buffers."""
 
     def splits_for(self, bs: int) -> int:
-        return num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+        n = num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+        return max(n, min(self.tile.min_splits, self.max_kv_splits))
 
     def _build(self, batch: ForwardBatch) -> None:
         if batch.mode.uniform:
@@ -80,7 +88,8 @@ class TritonBackend(AttentionBackend):
             return super()._forward(layer, qkv, positions, rope, batch)
         o = decode_attention(qkv, positions, rope.cos, rope.sin, batch.out_cache_loc, self.kv_pool.k[layer],
                              self.kv_pool.v[layer], self.req_to_token.req_to_token, batch.req_pool_indices,
-                             batch.seq_lens, self.q_heads(qkv), batch.width, self.num_splits, self.scale)
+                             batch.seq_lens, self.q_heads(qkv), batch.width, self.num_splits, self.scale,
+                             tile=self.tile)
         self.kv_pool.num_writes += 1
         return o.view(qkv.shape[0], -1)
 

@@ -35,6 +35,8 @@ replays correctly with new values in the same buffers, and no host-built metadat
 from __future__ import annotations
 
 import math
+import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -241,6 +243,36 @@ def _merge_kernel(part_o, part_lse, out, s_ot, s_oh, HQ: tl.constexpr, D: tl.con
     tl.store(out + t * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=dm)
 
 
+class DecodeTile(NamedTuple):
+    """`decode_attention`'s launch shape: keys per loop step, warps and pipeline stages a program, and
+    the fewest KV splits (1: split only where `num_kv_splits`' rule does). `decode_tile()` gives the
+    default; `MLEAGLE_DECODE_TILE=BLOCK_N,WARPS,STAGES[,MIN_SPLITS]` overrides it for tuning runs
+    (`scripts/decode_tiles.py` times the choices on a device)."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    min_splits: int = 1
+
+
+def decode_tile(head_dim: int) -> DecodeTile:
+    """The default tile for a head size, or the `MLEAGLE_DECODE_TILE` override (a backend reads it once,
+    when it is made, so that every graph it captures and every eager launch share one shape)."""
+    env = os.environ.get("MLEAGLE_DECODE_TILE")
+    if env:
+        try:
+            parts = [int(x) for x in env.split(",")]
+            t = DecodeTile(*parts)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"MLEAGLE_DECODE_TILE={env!r}: want BLOCK_N,WARPS,STAGES[,MIN_SPLITS] integers") from e
+        if t.block_n < 16 or t.block_n & (t.block_n - 1) or t.num_warps not in (1, 2, 4, 8) or t.num_stages < 1 \
+                or t.min_splits < 1:
+            raise ValueError(f"MLEAGLE_DECODE_TILE={env!r}: BLOCK_N a power of two >= 16, WARPS 1/2/4/8, STAGES "
+                             "and MIN_SPLITS >= 1")
+        return t
+    return DecodeTile(64 if next_pow2(head_dim) <= 128 else 32)
+
+
 def num_kv_splits(bs: int, hk: int, num_sms: int, max_splits: int = 16) -> int:
     """KV splits for a uniform batch: a function of the padded batch size only (graph-safe).
 
@@ -262,9 +294,10 @@ def _dot_prec(dtype: torch.dtype) -> str:
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, hq: int, width: int, num_splits: int,
-                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, out: torch.Tensor | None = None, tile: DecodeTile | None = None) -> torch.Tensor:
     """Uniform batches (W rows per request, request-major): rotary, the K/V store at `loc` and attention
-    in one launch (plus the merge when split). qkv [bs·W, (hq+2hk)·D] → out [bs·W, hq, D]."""
+    in one launch (plus the merge when split). qkv [bs·W, (hq+2hk)·D] → out [bs·W, hq, D]. `tile`: the
+    launch shape (default `decode_tile(D)`; `num_splits` is the caller's)."""
     t = qkv.shape[0]
     hk, d = k_cache.shape[1], k_cache.shape[2]
     bs = req_pool_indices.shape[0]
@@ -277,7 +310,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if t == 0:
         return out
     block_d = next_pow2(d)
-    block_n = 64 if block_d <= 128 else 32
+    tile = tile or decode_tile(d)
     if num_splits > 1:
         part_o = torch.empty(t, hq, num_splits, d, dtype=torch.float32, device=qkv.device)
         part_lse = torch.empty(t, hq, num_splits, dtype=torch.float32, device=qkv.device)
@@ -288,9 +321,9 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         out, out.stride(0), out.stride(1), part_o, part_lse, scale * LOG2E,
-        W=width, G=g, HQ=hq, HK=hk, D=d, SPLITS=num_splits, BLOCK_M=max(16, next_pow2(width * g)), BLOCK_N=block_n,
-        BLOCK_W=max(16, next_pow2(width)), BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=block_d,
-        DOT_PREC=_dot_prec(qkv.dtype), num_warps=4, num_stages=2,
+        W=width, G=g, HQ=hq, HK=hk, D=d, SPLITS=num_splits, BLOCK_M=max(16, next_pow2(width * g)),
+        BLOCK_N=tile.block_n, BLOCK_W=max(16, next_pow2(width)), BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=block_d,
+        DOT_PREC=_dot_prec(qkv.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(t, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, SPLITS=num_splits,
