@@ -83,7 +83,7 @@ def closed_loop(engine: Any, prompts: Sequence[list[int]], params: SamplingParam
     while engine.has_work():
         engine.step()
     # (the iteration counters before and after, for `bench serve`'s `iteration_summary` of the run)
-    keep = ("iterations", "iteration_rows")
+    keep = ("iterations", "iteration_rows", "device_busy_s", "device_busy_iterations")
     return {"concurrency": conc, "duration_s": dur, "requests": recs,
             "engine_before": {k: st0.get(k) for k in keep}, "engine_after": {k: st.get(k) for k in keep}}
 
