@@ -87,7 +87,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     c = a.concurrency
     ma = build_parser().parse_args(["--config", a.config, "--concurrency", str(c), "--requests-per-concurrency",
                                     str(a.requests_per_concurrency), "--min-requests", "1", "--warmup", str(a.warmup),
-                                    "--max-tokens", str(a.max_tokens)])
+                                    "--max-tokens", str(a.max_tokens)] + (["--data-dir", a.data_dir] if a.data_dir else []))
     arm = parse_arm(f"x={a.serve_flags}", ["--config", a.config])
     spec = offline_spec(ma, arm, [c])
     cfg = MleagleConfig.model_validate_json(spec["config"])
@@ -96,7 +96,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         engine.warm_up()
         enc = {p: engine.encode_prompt(p, True) for r in [spec["warmup"], *spec["runs"]] for p in r["prompts"]}
-        texts = read_first_turns("mt_bench", data_dir(None))[:c]
+        texts = read_first_turns("mt_bench", data_dir(a.data_dir))[:c]
         static_prompts = [engine.encode_prompt(t, True) for t in texts]
         sp = SamplingParams(temperature=0, max_new_tokens=a.max_tokens, ignore_eos=True)
 
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-concurrency", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256, help="each request's most (the static batch's exact) tokens")
+    ap.add_argument("--data-dir", default=None, help="where mt_bench.jsonl is (default: $MLEAGLE_DATA_DIR, else ../shared/data)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     shlex.split(a.serve_flags)  # a malformed string fails here, before a model loads

@@ -2,7 +2,8 @@
 
 Uniform batches (DECODE, TARGET_VERIFY, DRAFT_EXTEND) take one launch per layer: `decode_attention`
 rotates q and k, stores k and v into this backend's pool and attends (plus a merge launch when the
-batch is small enough to split the keys). EXTEND takes two: `rope_store`, then `extend_attention`.
+keys are split: at small batches to fill the SMs, and at least the tile's `min_splits` at any batch, so
+that the longest request's keys are not one program's alone). EXTEND takes two: `rope_store`, then `extend_attention`.
 The kernels read the slot map, the request rows and the lengths from the batch's own device
 tensors, so a uniform batch needs no device metadata at all: `plan` only records host-side shapes
 (batch size, width, KV splits), which is why it is safe before a capture and before every replay,

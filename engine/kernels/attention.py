@@ -17,12 +17,15 @@ replays correctly with new values in the same buffers, and no host-built metadat
   tensor-core `tl.dot` needs. The cached keys (positions < seq_len - W) come from the pool; the W
   keys of the window itself are rotated from the projection in registers, stored by the one program
   that owns them (the last split of each request and KV head) and attended causally from there, so
-  no program ever reads a slot written in the same launch. Split-KV: with few programs (batch 1 of
-  a 3-KV-head model is 3 programs on a 132-SM GPU) the cached keys are cut into `num_splits` chunks,
-  each program writes a partial output and its log-sum-exp, and `_merge_kernel` combines them. The
-  split count is a host function of the padded batch size only (`num_kv_splits`), so a captured
-  graph's grid stays valid at any length; the chunk size is computed on the device from the live
-  length, and chunks past the end are empty.
+  no program ever reads a slot written in the same launch. Split-KV: the cached keys are cut into
+  `num_splits` chunks, each program writes a partial output and its log-sum-exp, and `_merge_kernel`
+  combines them. With few programs (batch 1 of a 3-KV-head model is 3 programs on a 132-SM GPU) that
+  fills the SMs; at any batch it also cuts the longest request's keys, whose program the whole launch
+  waits for (a served batch holds requests at every length: at bs 32 over MT-Bench its longest is
+  ~1.4x a static batch's), so the default tile asks for at least 4 splits where it was measured
+  (`decode_tile`). The split count is a host function of the padded batch size only (`num_kv_splits`
+  and the tile), so a captured graph's grid stays valid at any length; the chunk size is computed on
+  the device from the live length, and chunks past the end are empty.
 - `extend_attention` (EXTEND: ragged prompt chunks with a cached prefix): one program per
   (request, query head, block of query rows), flash-attention over keys 0..last position of the
   block; its query offsets and lengths are device tensors (from the host lists when eager, fixed
@@ -270,7 +273,13 @@ def decode_tile(head_dim: int) -> DecodeTile:
             raise ValueError(f"MLEAGLE_DECODE_TILE={env!r}: BLOCK_N a power of two >= 16, WARPS 1/2/4/8, STAGES "
                              "and MIN_SPLITS >= 1")
         return t
-    return DecodeTile(64 if next_pow2(head_dim) <= 128 else 32)
+    if next_pow2(head_dim) <= 64:
+        # Measured on an H100 (`scripts/decode_tiles.py`, SmolLM2's 9/3 heads of 64, MT-Bench lengths, 30
+        # layers in a CUDA graph): 128-key blocks cut the loop steps of the longest request, and at least 4
+        # splits spread it over 4 programs, merge launch included: 9.3 µs a layer at bs 32 on a served mix
+        # against 18.2 with (64, 4, 2, 1), 8.5 against 14.4 on a static batch; at bs 64 12.8 against 21.0.
+        return DecodeTile(128, 4, 2, 4)
+    return DecodeTile(64 if next_pow2(head_dim) <= 128 else 32)  # larger heads: not yet measured
 
 
 def num_kv_splits(bs: int, hk: int, num_sms: int, max_splits: int = 16) -> int:

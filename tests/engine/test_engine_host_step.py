@@ -39,7 +39,9 @@ def test_engine_host_step_splits_a_step_into_forward_and_host(tmp_path: Path) ->
     assert all(v > 0 for k, v in parts.items() if k != "rest"), parts
     top = sum(parts[k] for k in ("schedule", "input", "first token", "settle"))
     assert parts["kv pages"] < parts["schedule"] < pre["runs"][0]["host_us"]
-    assert parts["admit"] + parts["build batch"] < parts["input"]  # (no prefill graphs on a CPU: both run)
+    # (no prefill graphs on a CPU: both run inside `input`; each part is a median over the prefills, so
+    # only each nested part, not their sum, is bound by its parent's median)
+    assert parts["admit"] < parts["input"] and parts["build batch"] < parts["input"]
     assert abs(top + parts["rest"] + pre["runs"][0]["forward_us"] - pre["runs"][0]["step_us"]) < 0.2 * pre["runs"][0]["step_us"]
     # Its torch operations by part, counted as dispatched: the forward and the first token compute, and
     # the top-level parts with the forward and the rest are the step's.

@@ -55,7 +55,8 @@ def test_the_decode_tile_override_is_parsed_and_checked(monkeypatch: pytest.Monk
     from mleagle.engine.kernels.attention import DecodeTile, decode_tile
 
     monkeypatch.delenv("MLEAGLE_DECODE_TILE", raising=False)
-    assert decode_tile(64) == DecodeTile(64, 4, 2, 1) and decode_tile(256).block_n == 32
+    assert decode_tile(64) == DecodeTile(128, 4, 2, 4)  # SmolLM2's heads: the measured default
+    assert decode_tile(128) == DecodeTile(64, 4, 2, 1) and decode_tile(256).block_n == 32
     monkeypatch.setenv("MLEAGLE_DECODE_TILE", "128,8,3")
     assert decode_tile(64) == DecodeTile(128, 8, 3, 1)
     monkeypatch.setenv("MLEAGLE_DECODE_TILE", "256,4,1,2")

@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_served_kernels_profiles_the_static_batch_and_the_closed_loop(tmp_path: Path) -> None:
     out = tmp_path / "k.json"
+    turns = ["Name a colour.", "Count to three.", "What is a cat?", "Say hello in French."]
+    (tmp_path / "mt_bench.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in turns))
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "served_kernels.py"), "--config", "smollm2-135m",
                         "--serve-flags", "--draft none --threads 2", "--concurrency", "2", "--requests-per-concurrency",
-                        "2", "--warmup", "2", "--max-tokens", "4", "--output", str(out)],
+                        "2", "--warmup", "2", "--max-tokens", "4", "--data-dir", str(tmp_path), "--output", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
