@@ -78,23 +78,6 @@ def parse_tiles(spec: str) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def copy_bandwidth(dev: Any) -> float:
-    """Bytes a second of a 1 GiB device-to-device copy (read + write counted), median of five."""
-    import torch
-
-    a = torch.empty(2**29, dtype=torch.float16, device=dev)
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(6):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.numel() * 2 / statistics.median(ts[1:])
-
-
 @dataclass
 class Bufs:
     """One batch size's fixed buffers: every graph reads them, every snapshot is copied into them."""
@@ -197,7 +180,7 @@ def time_mix(b: Bufs, tiles: list[tuple[int, int, int, int]], batches: list[list
 def run(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from mleagle.engine.entrypoints.bench_gpu import machine
+    from mleagle.engine.entrypoints.bench_gpu import copy_bandwidth, machine
 
     dev = torch.device("cpu" if a.check else "cuda")
     dtype = torch.float32 if a.check else torch.bfloat16
@@ -206,7 +189,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     w = a.width
     lengths = json.loads((ROOT / "results" / "mt_bench_lengths.json").read_text())
     tiles = parse_tiles(a.tiles)
-    bw = None if a.check else copy_bandwidth(dev)
+    bw = None if a.check else copy_bandwidth()
     res: dict[str, Any] = {"machine": machine(), "config": a.config, "width": w, "layers": layers,
                            "dtype": str(dtype).removeprefix("torch."), "copy_bandwidth_gbs": bw and round(bw / 1e9, 1),
                            "tiles": [list(t) for t in tiles], "rows": []}
