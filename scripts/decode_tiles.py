@@ -17,8 +17,8 @@ Per tile (`BLOCK_N x WARPS x STAGES x SPLITS`) and mix, one CUDA graph holds the
 `decode_attention` calls (each layer its own K/V; every request's slots scattered over the pool as a
 served pool's are), and is replayed per snapshot after the snapshot's lengths are copied into its
 buffers: µs a layer, mean over the snapshots; beside it the floor (the K/V bytes read over the copy
-bandwidth measured in the same run) and, per snapshot, the largest difference from the default tile's
-output (the tiles must agree). Prints a table per batch size and writes JSON. `--check` runs the same
+bandwidth measured in the same run) and, per snapshot, the largest difference from the first listed
+tile's output (the tiles must agree; the default list starts with the earlier shape, 64x4x2x1). Prints a table per batch size and writes JSON. `--check` runs the same
 on the CPU under `TRITON_INTERPRET=1` with two layers and no graphs: the plumbing and the agreement,
 no figures.
 """

@@ -49,7 +49,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
     supports_extend_graphs = True
-    # Upper bound on KV splits for small uniform batches (see num_kv_splits); 1 turns splitting off.
+    # Upper bound on KV splits (see num_kv_splits); 1 turns splitting off, the tile's minimum included.
     max_kv_splits = 16
 
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, num_q_heads: int | None = None):
@@ -64,8 +64,7 @@ class TritonBackend(AttentionBackend):
         """Nothing to allocate: the kernels read the batch's own (fixed) buffers."""
 
     def splits_for(self, bs: int) -> int:
-        n = num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
-        return max(n, min(self.tile.min_splits, self.max_kv_splits))
+        return num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits, self.tile.min_splits)
 
     def _build(self, batch: ForwardBatch) -> None:
         if batch.mode.uniform:

@@ -282,17 +282,20 @@ def decode_tile(head_dim: int) -> DecodeTile:
     return DecodeTile(64 if next_pow2(head_dim) <= 128 else 32)  # larger heads: not yet measured
 
 
-def num_kv_splits(bs: int, hk: int, num_sms: int, max_splits: int = 16) -> int:
+def num_kv_splits(bs: int, hk: int, num_sms: int, max_splits: int = 16, min_splits: int = 1) -> int:
     """KV splits for a uniform batch: a function of the padded batch size only (graph-safe).
 
-    Split only while bs·hk programs would leave most SMs idle; at batch 1 of a small-KV-head model
-    this turns 3 programs into up to 48. Chunks are rounded to the key block on the device, so short
-    sequences leave the later splits empty (a cheap early exit) rather than making tiny ones.
+    Split while bs·hk programs would leave most SMs idle (at batch 1 of a small-KV-head model this
+    turns 3 programs into up to 48), and at least `min_splits` at any batch (the tile's: a request's
+    keys spread over that many programs), never more than `max_splits` (1 turns splitting off).
+    Chunks are rounded to the key block on the device, so short sequences leave the later splits empty
+    (a cheap early exit) rather than making tiny ones.
     """
+    floor = max(1, min(min_splits, max_splits))
     progs = bs * hk
     if max_splits <= 1 or progs >= num_sms:
-        return 1
-    return max(1, min(max_splits, num_sms // progs))
+        return floor
+    return max(floor, min(max_splits, num_sms // progs))
 
 
 def _dot_prec(dtype: torch.dtype) -> str:

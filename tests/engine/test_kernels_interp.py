@@ -57,6 +57,12 @@ def test_the_decode_tile_override_is_parsed_and_checked(monkeypatch: pytest.Monk
     monkeypatch.delenv("MLEAGLE_DECODE_TILE", raising=False)
     assert decode_tile(64) == DecodeTile(128, 4, 2, 4)  # SmolLM2's heads: the measured default
     assert decode_tile(128) == DecodeTile(64, 4, 2, 1) and decode_tile(256).block_n == 32
+    # The tile's fewest splits hold at every batch; the small-batch rule may ask for more; 1 turns it off.
+    from mleagle.engine.kernels.attention import num_kv_splits
+
+    assert num_kv_splits(32, 3, 132, 16, 4) == 4 and num_kv_splits(64, 3, 132, 16, 4) == 4
+    assert num_kv_splits(8, 3, 132, 16, 4) == 5 and num_kv_splits(1, 3, 132, 16, 4) == 16
+    assert num_kv_splits(32, 3, 132, 1, 4) == 1 and num_kv_splits(32, 3, 132) == 1
     monkeypatch.setenv("MLEAGLE_DECODE_TILE", "128,8,3")
     assert decode_tile(64) == DecodeTile(128, 8, 3, 1)
     monkeypatch.setenv("MLEAGLE_DECODE_TILE", "256,4,1,2")
