@@ -32,6 +32,7 @@ from mleagle.daemon.loop_lag import LoopLag
 from mleagle.daemon.loop_lag import summarize as lag_summary
 from mleagle.engine.contract.config import data_dir
 from mleagle.engine.contract.gc_watch import GcWatch
+from mleagle.engine.contract.stats import iteration_summary
 
 DATASETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl", "alpaca": "alpaca_eval.jsonl"}
 
@@ -318,27 +319,6 @@ def loop_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, du
         if k.endswith("_s") and isinstance(v, (int, float)):
             out[k[:-2] + "_share"] = (v - before.get(k, 0.0)) / dur
     out["busy_share"] = sum(out.get(k + "_share", 0.0) for k in ("step", "send_outputs", "pump", "messages"))
-    return out
-
-
-def iteration_summary(before: dict[str, Any] | None, after: dict[str, Any] | None, dur: float) -> dict[str, Any] | None:
-    """The engine's decode (or verify) iterations over a run, from its stats before and after
-    (`Engine.stats`'s `iterations` and `iteration_rows`): how many a second, and the decoding rows each
-    carried on average (a fused step's arrivals not counted). Served beside the offline replay, fewer
-    rows say requests were away from the engine (between its last token and the client's next
-    request), fewer iterations a second that each took longer. On CUDA also the device's time on them
-    (`device_busy_s`): its share of the run, and a timed iteration's mean in µs; beside the iterations'
-    wall (1 / iterations a second) the difference is the device waiting for the host. None where the
-    counters are missing."""
-    if not before or not after or dur <= 0 or before.get("iterations") is None or after.get("iterations") is None:
-        return None
-    it = after["iterations"] - before["iterations"]
-    rows = after["iteration_rows"] - before["iteration_rows"]
-    out = {"iterations": it, "iterations_per_s": it / dur, "rows_per_iteration": rows / it if it else 0.0}
-    timed = (after.get("device_busy_iterations") or 0) - (before.get("device_busy_iterations") or 0)
-    if timed > 0:
-        busy = after["device_busy_s"] - before["device_busy_s"]
-        out.update(device_busy_share=busy / dur, device_us_per_iteration=busy * 1e6 / timed)
     return out
 
 

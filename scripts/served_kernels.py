@@ -48,6 +48,7 @@ def profiled(engine: Any, fn: Any) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from mleagle.engine.contract.stats import iteration_summary
     from mleagle.engine.entrypoints.bench_gpu import kernel_name
 
     cuda = engine.device.type == "cuda"
@@ -66,13 +67,10 @@ def profiled(engine: Any, fn: Any) -> dict[str, Any]:
         own = ev.self_device_time_total if cuda else ev.self_cpu_time_total
         if own > 0:
             by[kernel_name(ev.key)] += own
-    its = s1["iterations"] - s0["iterations"]
-    busy = s1.get("device_busy_s", 0) - s0.get("device_busy_s", 0)
-    timed = s1.get("device_busy_iterations", 0) - s0.get("device_busy_iterations", 0)
-    return {"iterations": its, "rows": s1["iteration_rows"] - s0["iteration_rows"], "wall_s": wall,
-            "fused_steps": s1.get("fused_mixed_steps", 0) - s0.get("fused_mixed_steps", 0),
-            "device_busy_us_per_iteration": busy * 1e6 / timed if timed else None,
-            "kernel_us": dict(by)}
+    its = iteration_summary(s0, s1, wall) or {}
+    return {"iterations": s1["iterations"] - s0["iterations"], "rows": s1["iteration_rows"] - s0["iteration_rows"],
+            "wall_s": wall, "fused_steps": s1.get("fused_mixed_steps", 0) - s0.get("fused_mixed_steps", 0),
+            "device_busy_us_per_iteration": its.get("device_us_per_iteration"), "kernel_us": dict(by)}
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mleagle.engine.contract.config import data_dir
+from mleagle.engine.contract.stats import iteration_summary
 from mleagle.engine.entrypoints.bench import DATASETS, read_first_turns
 
 
@@ -139,12 +140,10 @@ def time_engine(engine: Any, batches: list[list[list[int]]], n: int, label: str,
                        "draft_ms_per_iter": round(1000 * sum(s.draft_time_s for s in specs) / max(nv, 1) * bs, 3)}
     else:
         row["ms_per_step_wall"] = round(1000 * wall / (n * len(batches)), 3)
-    s1 = engine.stats()
-    timed = s1.get("device_busy_iterations", 0) - s0.get("device_busy_iterations", 0)
-    if timed > 0:  # the device's time on the decode iterations (CUDA), as `bench serve` reports it served
-        busy = s1["device_busy_s"] - s0["device_busy_s"]
-        row["device_busy_share"] = round(busy / wall, 4)
-        row["device_us_per_iteration"] = round(1e6 * busy / timed, 1)
+    its = iteration_summary(s0, engine.stats(), wall) or {}
+    if "device_busy_share" in its:  # the device's time on the decode iterations (CUDA), as `bench serve` reports it
+        row["device_busy_share"] = round(its["device_busy_share"], 4)
+        row["device_us_per_iteration"] = round(its["device_us_per_iteration"], 1)
     if policy is not None:  # what the speculation policy chose in the timed runs (iterations by depth)
         row["policy"] = {"mode": policy.mode, "iterations_by_depth": [
             x - y for x, y in zip(policy.stats.iterations_by_depth, before)],
